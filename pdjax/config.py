@@ -1,0 +1,271 @@
+"""Model configuration: a frozen, hashable dataclass whose fields follow the Hugging Face
+DeepSeek-V2/V3 ``config.json`` keys, plus presets and validation.
+
+The config is static data: it is passed as a static argument to jitted functions, so it
+must be hashable (``rope_scaling`` is stored as a frozen :class:`RopeScaling`, never a dict).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Mapping, Optional
+
+SCORING_FUNCS = ("softmax", "sigmoid")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """YaRN rope scaling (the only kind DeepSeek uses). Field names follow HF."""
+
+    factor: float = 1.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    rope_type: str = "yarn"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """DeepSeek-V2/V3 architecture hyper-parameters (HF names).
+
+    Dimensions: ``hidden_size`` D, ``num_attention_heads`` H, ``kv_lora_rank`` C (MLA latent),
+    ``qk_rope_head_dim`` R (decoupled RoPE key shared by all heads), ``qk_nope_head_dim``,
+    ``v_head_dim``; ``q_lora_rank`` None means a plain q projection (V2-Lite).
+    """
+
+    vocab_size: int = 256
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    moe_intermediate_size: int = 32
+    num_hidden_layers: int = 3
+    num_attention_heads: int = 4
+    q_lora_rank: Optional[int] = 32
+    kv_lora_rank: int = 32
+    qk_nope_head_dim: int = 16
+    qk_rope_head_dim: int = 8
+    v_head_dim: int = 16
+    n_routed_experts: int = 8
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 2
+    n_group: int = 1
+    topk_group: int = 1
+    first_k_dense_replace: int = 1
+    moe_layer_freq: int = 1
+    scoring_func: str = "softmax"
+    topk_method: str = "greedy"
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+    max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[RopeScaling] = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    model_type: str = "deepseek_v3"
+
+    def __post_init__(self):
+        if isinstance(self.rope_scaling, Mapping):
+            object.__setattr__(self, "rope_scaling", _rope_scaling_from_dict(dict(self.rope_scaling)))
+        validate(self)
+
+    # ---- derived sizes -------------------------------------------------------------
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_latent_dim(self) -> int:
+        """Values cached per token per layer: kv_lora_rank + qk_rope_head_dim."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def routed_scaling_always(self) -> bool:
+        """V3 scales routed weights always; V2 only when top-k weights are not normalised."""
+        return self.model_type != "deepseek_v2"
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return (
+            self.n_routed_experts > 0
+            and layer >= self.first_k_dense_replace
+            and layer % self.moe_layer_freq == 0
+        )
+
+    @property
+    def softmax_scale(self) -> float:
+        """1/sqrt(qk_head_dim), times YaRN's mscale(mscale_all_dim)^2 when scaling is on."""
+        scale = self.qk_head_dim ** -0.5
+        rs = self.rope_scaling
+        if rs is not None and rs.mscale_all_dim:
+            m = yarn_mscale(rs.factor, rs.mscale_all_dim)
+            scale = scale * m * m
+        return scale
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_hf_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["rope_scaling"] = None if self.rope_scaling is None else self.rope_scaling.to_dict()
+        if self.rope_scaling is not None:
+            d["rope_scaling"]["type"] = "yarn"
+        return d
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN attention magnitude correction 0.1*mscale*ln(scale)+1 (1 when scale <= 1)."""
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _positive(cfg, names):
+    for name in names:
+        v = getattr(cfg, name)
+        if not isinstance(v, (int,)) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"ModelConfig.{name} must be a positive integer, got {v!r}")
+
+
+def validate(cfg: ModelConfig) -> None:
+    """Raise ValueError naming the first inconsistent field."""
+    _positive(cfg, ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                    "max_position_embeddings", "moe_layer_freq"])
+    if cfg.q_lora_rank is not None:
+        _positive(cfg, ["q_lora_rank"])
+    if cfg.qk_rope_head_dim % 2:
+        raise ValueError(f"ModelConfig.qk_rope_head_dim must be even for RoPE pairs, got {cfg.qk_rope_head_dim}")
+    if cfg.first_k_dense_replace < 0:
+        raise ValueError(f"ModelConfig.first_k_dense_replace must be >= 0, got {cfg.first_k_dense_replace}")
+    has_dense = any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)) if cfg.n_routed_experts else True
+    if has_dense:
+        _positive(cfg, ["intermediate_size"])
+    if cfg.n_routed_experts < 0:
+        raise ValueError(f"ModelConfig.n_routed_experts must be >= 0, got {cfg.n_routed_experts}")
+    if cfg.n_routed_experts:
+        _positive(cfg, ["moe_intermediate_size", "num_experts_per_tok", "n_group", "topk_group"])
+        if cfg.n_shared_experts < 0:
+            raise ValueError(f"ModelConfig.n_shared_experts must be >= 0, got {cfg.n_shared_experts}")
+        if cfg.num_experts_per_tok > cfg.n_routed_experts:
+            raise ValueError(
+                f"ModelConfig.num_experts_per_tok={cfg.num_experts_per_tok} exceeds "
+                f"n_routed_experts={cfg.n_routed_experts}")
+        if cfg.n_routed_experts % cfg.n_group:
+            raise ValueError(
+                f"ModelConfig.n_routed_experts={cfg.n_routed_experts} is not divisible by "
+                f"n_group={cfg.n_group}")
+        if cfg.topk_group > cfg.n_group:
+            raise ValueError(f"ModelConfig.topk_group={cfg.topk_group} exceeds n_group={cfg.n_group}")
+        per_group = cfg.n_routed_experts // cfg.n_group
+        if cfg.topk_method == "noaux_tc" and per_group < 2 and cfg.n_group > 1:
+            raise ValueError("ModelConfig.n_group: noaux_tc scores groups by their top-2 experts, "
+                             f"so each group needs >= 2 experts (got {per_group})")
+        if cfg.topk_group * per_group < cfg.num_experts_per_tok:
+            raise ValueError(
+                f"ModelConfig.topk_group={cfg.topk_group} groups of {per_group} experts cannot "
+                f"supply num_experts_per_tok={cfg.num_experts_per_tok}")
+    if cfg.scoring_func not in SCORING_FUNCS:
+        raise ValueError(f"ModelConfig.scoring_func must be one of {SCORING_FUNCS}, got {cfg.scoring_func!r}")
+    if cfg.topk_method not in TOPK_METHODS:
+        raise ValueError(f"ModelConfig.topk_method must be one of {TOPK_METHODS}, got {cfg.topk_method!r}")
+    if cfg.rms_norm_eps <= 0:
+        raise ValueError(f"ModelConfig.rms_norm_eps must be > 0, got {cfg.rms_norm_eps}")
+    if cfg.rope_theta <= 0:
+        raise ValueError(f"ModelConfig.rope_theta must be > 0, got {cfg.rope_theta}")
+    if cfg.model_type not in ("deepseek_v2", "deepseek_v3"):
+        raise ValueError(f"ModelConfig.model_type must be 'deepseek_v2' or 'deepseek_v3', got {cfg.model_type!r}")
+    rs = cfg.rope_scaling
+    if rs is not None:
+        if not isinstance(rs, RopeScaling):
+            raise TypeError(f"ModelConfig.rope_scaling must be RopeScaling, dict or None, got {type(rs).__name__}")
+        if rs.rope_type != "yarn":
+            raise ValueError(f"ModelConfig.rope_scaling type must be 'yarn', got {rs.rope_type!r}")
+        if rs.factor <= 0:
+            raise ValueError(f"ModelConfig.rope_scaling.factor must be > 0, got {rs.factor}")
+        if rs.original_max_position_embeddings <= 0:
+            raise ValueError("ModelConfig.rope_scaling.original_max_position_embeddings must be > 0, "
+                             f"got {rs.original_max_position_embeddings}")
+
+
+_ROPE_FIELDS = {f.name for f in dataclasses.fields(RopeScaling)}
+
+
+def _rope_scaling_from_dict(d: dict) -> RopeScaling:
+    d = dict(d)
+    kind = d.pop("rope_type", None) or d.pop("type", None) or "yarn"
+    d.pop("type", None)
+    d.pop("rope_theta", None)
+    unknown = sorted(set(d) - _ROPE_FIELDS)
+    kept = {k: v for k, v in d.items() if k in _ROPE_FIELDS and v is not None}
+    for k in ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+        if k in kept:
+            kept[k] = float(kept[k])
+    if "original_max_position_embeddings" in kept:
+        kept["original_max_position_embeddings"] = int(kept["original_max_position_embeddings"])
+    del unknown  # extra YaRN knobs (e.g. 'truncate') are ignored; DeepSeek always truncates
+    return RopeScaling(rope_type=kind, **kept)
+
+
+_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
+
+
+def from_hf_dict(d: Mapping[str, Any]) -> ModelConfig:
+    """Build a ModelConfig from a HF config.json dict (``rope_scaling`` + ``rope_theta``,
+    or the newer ``rope_parameters``). Unknown keys are ignored; bad values raise ValueError."""
+    if not isinstance(d, Mapping):
+        raise ValueError(f"config.json must hold a JSON object, got {type(d).__name__}")
+    d = dict(d)
+    model_type = d.get("model_type", "deepseek_v3")
+    if model_type not in ("deepseek_v2", "deepseek_v3"):
+        raise ValueError(f"config.json model_type must be deepseek_v2 or deepseek_v3, got {model_type!r}")
+    rope_params = d.get("rope_parameters")
+    rope_scaling = d.get("rope_scaling")
+    rope_theta = d.get("rope_theta")
+    if isinstance(rope_params, Mapping):
+        rope_theta = rope_params.get("rope_theta", rope_theta)
+        kind = rope_params.get("rope_type", rope_params.get("type", "default"))
+        rope_scaling = dict(rope_params) if kind not in (None, "default") else None
+    if isinstance(rope_scaling, Mapping):
+        kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+        if kind in (None, "default"):
+            rope_scaling = None
+    kwargs = {k: v for k, v in d.items() if k in _FIELDS}
+    kwargs["model_type"] = model_type
+    kwargs["rope_scaling"] = _rope_scaling_from_dict(rope_scaling) if rope_scaling else None
+    if rope_theta is not None:
+        kwargs["rope_theta"] = float(rope_theta)
+    if kwargs.get("n_routed_experts") is None:
+        kwargs["n_routed_experts"] = 0
+    if kwargs.get("n_shared_experts") is None:
+        kwargs["n_shared_experts"] = 0
+    for k in ("n_group", "topk_group"):
+        if kwargs.get(k) is None:
+            kwargs[k] = 1
+    if kwargs.get("routed_scaling_factor") is None:
+        kwargs["routed_scaling_factor"] = 1.0
+    if "topk_method" not in kwargs or kwargs["topk_method"] is None:
+        kwargs["topk_method"] = "noaux_tc" if model_type == "deepseek_v3" else "greedy"
+    try:
+        return ModelConfig(**kwargs)
+    except TypeError as e:  # wrong value types surface as ValueError naming the problem
+        raise ValueError(f"config.json: {e}") from e
+
+
+def load_hf_config(path: str) -> ModelConfig:
+    """Read ``config.json`` from a checkpoint directory (or the file itself)."""
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        with open(file) as f:
+            d = json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no config.json at {file}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"malformed config.json at {file}: {e}") from None
+    return from_hf_dict(d)

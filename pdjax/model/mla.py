@@ -1,0 +1,178 @@
+"""Multi-head latent attention (MLA), exactly as DeepSeek-V2/V3.
+
+Einsum legend:
+  B batch, T query positions, S key positions, D hidden, H heads, Q q-LoRA rank,
+  C kv_lora_rank (latent), R qk_rope_head_dim, K qk_nope_head_dim, V v_head_dim,
+  L cached width per token = C + R (latent | rope key).
+
+The cache stores, per token and layer, only ``[RMSNorm(c_kv) | RoPE(k_pe)]`` (C + R values).
+Two equivalent attention paths read it:
+  * ``naive``: expand the latent through W_UK / W_UV to per-head keys and values (the
+    reference, used by prefill);
+  * ``absorbed``: fold W_UK into the query (q_nope W_UK^T is a C-vector per head) and W_UV
+    into the output, and attend directly over the cached [latent | rope key] rows with a
+    single (C + R)-wide dot product (decode).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pdjax.config import ModelConfig, yarn_mscale
+
+
+def rms_norm(x, weight, eps):
+    """RMSNorm in float32, cast back to x.dtype before the scale (as HF does)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+# ---- RoPE / YaRN ------------------------------------------------------------------------
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [R/2] (float64, host side), with YaRN when configured.
+
+    YaRN: frequencies whose wavelength is short against the original context keep their
+    value (extrapolate), long ones are divided by ``factor`` (interpolate), with a linear
+    ramp between the correction dims floor(d(beta_fast)) .. ceil(d(beta_slow)), where
+    d(n) = R * ln(orig_len / (2 pi n)) / (2 ln theta).
+    """
+    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
+    inv_freq = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv_freq
+
+    def correction_dim(num_rotations):
+        return dim * math.log(rs.original_max_position_embeddings / (num_rotations * 2 * math.pi)) / (
+            2 * math.log(base))
+
+    low = max(math.floor(correction_dim(rs.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(rs.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    extrapolate = 1.0 - ramp
+    return inv_freq / rs.factor * (1.0 - extrapolate) + inv_freq * extrapolate
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """YaRN multiplies cos/sin by mscale(factor, mscale) / mscale(factor, mscale_all_dim)."""
+    rs = cfg.rope_scaling
+    if rs is None:
+        return 1.0
+    denom = yarn_mscale(rs.factor, rs.mscale_all_dim) if rs.mscale_all_dim else 1.0
+    return yarn_mscale(rs.factor, rs.mscale) / denom
+
+
+def rope_cos_sin(cfg: ModelConfig, positions):
+    """cos, sin [..., R/2] in float32 for integer positions [...]."""
+    inv_freq = jnp.asarray(rope_inv_freq(cfg), jnp.float32)
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    m = rope_attention_factor(cfg)
+    return jnp.cos(angles) * m, jnp.sin(angles) * m
+
+
+def apply_rope(x, cos, sin):
+    """Rotate interleaved pairs (x[2i], x[2i+1]) of the last axis, as DeepSeek does.
+
+    x: [B, T, ..., R]; cos/sin: [B, T, R/2] broadcast over the middle axes.
+    """
+    extra = x.ndim - cos.ndim
+    cos = cos.reshape(cos.shape[:2] + (1,) * (extra) + cos.shape[2:])
+    sin = sin.reshape(cos.shape)
+    xf = x.astype(jnp.float32).reshape(x.shape[:-1] + (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    out = jnp.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1)
+    return out.reshape(x.shape).astype(x.dtype)
+
+
+# ---- projections ----------------------------------------------------------------------
+
+def project_q(p, cfg: ModelConfig, x_BTD, cos, sin):
+    """Queries [B,T,H,K] (no-position part) and [B,T,H,R] (rotated)."""
+    if cfg.q_lora_rank is None:
+        q_BTHK = jnp.einsum("BTD,DHK->BTHK", x_BTD, p["wq"])
+    else:
+        q_BTQ = rms_norm(x_BTD @ p["wq_a"], p["q_norm"], cfg.rms_norm_eps)
+        q_BTHK = jnp.einsum("BTQ,QHK->BTHK", q_BTQ, p["wq_b"])
+    q_nope, q_pe = jnp.split(q_BTHK, [cfg.qk_nope_head_dim], axis=-1)
+    return q_nope, apply_rope(q_pe, cos, sin)
+
+
+def project_kv_latent(p, cfg: ModelConfig, x_BTD, cos, sin):
+    """The cache entry of each new token: [RMSNorm(latent) | RoPE(k_pe)], shape [B,T,C+R]."""
+    kv_BTL = x_BTD @ p["wkv_a"]
+    c_BTC, k_pe_BTR = jnp.split(kv_BTL, [cfg.kv_lora_rank], axis=-1)
+    c_BTC = rms_norm(c_BTC, p["kv_norm"], cfg.rms_norm_eps)
+    return jnp.concatenate([c_BTC, apply_rope(k_pe_BTR, cos, sin)], axis=-1)
+
+
+# ---- attention ------------------------------------------------------------------------
+
+def _masked_softmax(scores_BHTS, mask_BTS):
+    scores = jnp.where(mask_BTS[:, None], scores_BHTS.astype(jnp.float32), -jnp.inf)
+    return jax.nn.softmax(scores, axis=-1)
+
+
+def attend_naive(p, cfg: ModelConfig, q_nope, q_pe, kv_BSL, mask_BTS):
+    """Reference MLA: per-head keys/values expanded from the latent. Returns [B,T,H,V]."""
+    c_BSC, k_pe_BSR = jnp.split(kv_BSL, [cfg.kv_lora_rank], axis=-1)
+    k_nope_BSHK = jnp.einsum("BSC,CHK->BSHK", c_BSC, p["wk_b"])
+    v_BSHV = jnp.einsum("BSC,CHV->BSHV", c_BSC, p["wv_b"])
+    scores = (jnp.einsum("BTHK,BSHK->BHTS", q_nope, k_nope_BSHK)
+              + jnp.einsum("BTHR,BSR->BHTS", q_pe, k_pe_BSR)) * cfg.softmax_scale
+    probs = _masked_softmax(scores, mask_BTS).astype(v_BSHV.dtype)
+    return jnp.einsum("BHTS,BSHV->BTHV", probs, v_BSHV)
+
+
+def attend_absorbed(p, cfg: ModelConfig, q_nope, q_pe, kv_BSL, mask_BTS):
+    """Absorbed MLA: W_UK folded into q, W_UV applied after attending over the latent.
+
+    One (C+R)-wide dot per (query, cached token, head); the cache is never expanded.
+    Returns [B,T,H,V].
+    """
+    q_lat_BTHC = jnp.einsum("BTHK,CHK->BTHC", q_nope, p["wk_b"])
+    q_BTHL = jnp.concatenate([q_lat_BTHC, q_pe.astype(q_lat_BTHC.dtype)], axis=-1)
+    scores = jnp.einsum("BTHL,BSL->BHTS", q_BTHL, kv_BSL) * cfg.softmax_scale
+    probs = _masked_softmax(scores, mask_BTS).astype(kv_BSL.dtype)
+    o_BTHC = jnp.einsum("BHTS,BSC->BTHC", probs, kv_BSL[..., : cfg.kv_lora_rank])
+    return jnp.einsum("BTHC,CHV->BTHV", o_BTHC, p["wv_b"])
+
+
+def output_proj(p, o_BTHV):
+    return jnp.einsum("BTHV,HVD->BTD", o_BTHV, p["wo"])
+
+
+def causal_mask(q_pos_BT, kv_len_S):
+    """mask[b,t,s] = key position s <= query position q_pos[b,t]."""
+    return jnp.arange(kv_len_S)[None, None, :] <= q_pos_BT[:, :, None]
+
+
+def init_attention(cfg: ModelConfig, key, dtype):
+    H, D, C, R = cfg.num_attention_heads, cfg.hidden_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    K, V = cfg.qk_nope_head_dim, cfg.v_head_dim
+    ks = jax.random.split(key, 6)
+
+    def dense(k, shape, fan_in):
+        return (jax.random.normal(k, shape, jnp.float32) * fan_in ** -0.5).astype(dtype)
+
+    p = {}
+    if cfg.q_lora_rank is None:
+        p["wq"] = dense(ks[0], (D, H, K + R), D)
+    else:
+        Q = cfg.q_lora_rank
+        p["wq_a"] = dense(ks[0], (D, Q), D)
+        p["q_norm"] = jnp.ones((Q,), dtype)
+        p["wq_b"] = dense(ks[1], (Q, H, K + R), Q)
+    p["wkv_a"] = dense(ks[2], (D, C + R), D)
+    p["kv_norm"] = jnp.ones((C,), dtype)
+    p["wk_b"] = dense(ks[3], (C, H, K), C)
+    p["wv_b"] = dense(ks[4], (C, H, V), C)
+    p["wo"] = dense(ks[5], (H, V, D), H * V)
+    return p

@@ -1,0 +1,165 @@
+"""DeepSeek-V2/V3 mixture of experts: the gate and exact, dropless, sort-based dispatch.
+
+Einsum legend: N tokens, D hidden, E routed experts, F expert intermediate size,
+k experts per token, A = N*k assignments, G tiles, T rows per tile.
+
+Dispatch sorts the A (token, expert) assignments by expert. Two exact back ends compute the
+experts over the sorted rows:
+  * ``"ragged"``: ``jax.lax.ragged_dot`` grouped GEMM (GPU/TPU; XLA:CPU lowers it to a dense
+    dot over every expert, so it is not used there by default);
+  * ``"tiled"``: each expert's rows are padded to a multiple of a tile of T rows, every tile
+    belongs to one expert, and tiles run as a batched GEMM against their expert's weights.
+    Padding is at most T-1 rows per non-empty expert, chosen so the FLOP overhead is
+    <= 25 % of the ideal; nothing is ever dropped.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pdjax.config import ModelConfig
+
+
+def gate(p, cfg: ModelConfig, x_ND):
+    """Route tokens. Returns (weights [N,k] float32, expert ids [N,k] int32).
+
+    Scores are softmax or sigmoid of the router logits (float32). With ``noaux_tc`` the
+    correction bias is added for *selection only*; weights come from the unbiased scores.
+    Group-limited routing keeps the ``topk_group`` best of ``n_group`` groups, scoring a
+    group by its max (V2 ``group_limited_greedy``) or the sum of its top-2 biased scores
+    (V3 ``noaux_tc``); experts outside kept groups are excluded (-inf).
+    """
+    logits = x_ND.astype(jnp.float32) @ p["router"].astype(jnp.float32)
+    if cfg.scoring_func == "softmax":
+        scores = jax.nn.softmax(logits, axis=-1)
+    else:
+        scores = jax.nn.sigmoid(logits)
+    choice = scores
+    if cfg.topk_method == "noaux_tc":
+        choice = scores + p["router_bias"].astype(jnp.float32)
+    k, E, G = cfg.num_experts_per_tok, cfg.n_routed_experts, cfg.n_group
+    if cfg.topk_method != "greedy" and G > 1:
+        grouped = choice.reshape(-1, G, E // G)
+        if cfg.topk_method == "noaux_tc":
+            group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)
+        else:
+            group_scores = grouped.max(-1)
+        _, keep = jax.lax.top_k(group_scores, cfg.topk_group)
+        group_mask = jnp.zeros_like(group_scores, dtype=bool).at[
+            jnp.arange(group_scores.shape[0])[:, None], keep].set(True)
+        choice = jnp.where(group_mask[:, :, None], grouped, -jnp.inf).reshape(-1, E)
+    _, idx = jax.lax.top_k(choice, k)
+    weights = jnp.take_along_axis(scores, idx, axis=-1)
+    normalise = cfg.norm_topk_prob and k > 1
+    if normalise:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    if cfg.routed_scaling_always or not normalise:
+        weights = weights * cfg.routed_scaling_factor
+    return weights, idx.astype(jnp.int32)
+
+
+def swiglu(x, w_gate, w_up, w_down):
+    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+
+def tile_rows(num_assignments: int, num_experts: int) -> int:
+    """Rows per tile: the largest power of two <= A / (4 E) (>= 1), capped at 256, so the
+    worst-case padding E*(T-1) stays <= A/4."""
+    t = max(1, num_assignments // (4 * num_experts))
+    return min(1 << (t.bit_length() - 1), 256)
+
+
+def num_tiles(num_assignments: int, num_experts: int, tile: int) -> int:
+    """Static upper bound on sum_e ceil(count_e / T) over any routing."""
+    nonempty = min(num_experts, num_assignments)
+    return (num_assignments + nonempty * (tile - 1)) // tile
+
+
+def sort_assignments(idx_Nk, num_experts):
+    """Sort (token, slot) assignments by expert.
+
+    Returns order [A] (flat assignment index in sorted order), sorted expert ids [A] and
+    counts [E] (tokens per expert)."""
+    flat = idx_Nk.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    counts = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    return order, flat[order], counts
+
+
+def _experts_tiled(x_AD, sorted_e, counts, w_gate, w_up, w_down):
+    A, D = x_AD.shape
+    E = w_gate.shape[0]
+    T = tile_rows(A, E)
+    G = num_tiles(A, E, T)
+    tiles_e = (counts + T - 1) // T
+    tile_end = jnp.cumsum(tiles_e)                      # [E] tiles up to and including e
+    row_start = (tile_end - tiles_e) * T                # first padded row of expert e
+    group_start = jnp.cumsum(counts) - counts           # first sorted row of expert e
+    dest = row_start[sorted_e] + jnp.arange(A, dtype=jnp.int32) - group_start[sorted_e]
+    x_rows = jnp.zeros((G * T, D), x_AD.dtype).at[dest].set(x_AD, unique_indices=True)
+    tile_expert = jnp.minimum(
+        jnp.searchsorted(tile_end, jnp.arange(G), side="right"), E - 1)
+    x_GTD = x_rows.reshape(G, T, D)
+    h_GTF = jax.nn.silu(jnp.einsum("GTD,GDF->GTF", x_GTD, w_gate[tile_expert])) * jnp.einsum(
+        "GTD,GDF->GTF", x_GTD, w_up[tile_expert])
+    y_GTD = jnp.einsum("GTF,GFD->GTD", h_GTF, w_down[tile_expert])
+    return y_GTD.reshape(G * T, D)[dest]
+
+
+def _experts_ragged(x_AD, sorted_e, counts, w_gate, w_up, w_down):
+    del sorted_e
+    h = jax.nn.silu(jax.lax.ragged_dot(x_AD, w_gate, counts)) * jax.lax.ragged_dot(x_AD, w_up, counts)
+    return jax.lax.ragged_dot(h, w_down, counts)
+
+
+def default_impl() -> str:
+    return "tiled" if jax.default_backend() == "cpu" else "ragged"
+
+
+def routed_experts(p, x_ND, weights_Nk, idx_Nk, impl: str | None = None):
+    """sum_j weights[n,j] * Expert_{idx[n,j]}(x[n]) for every token, exactly. [N,D]."""
+    impl = impl or default_impl()
+    N, D = x_ND.shape
+    k = idx_Nk.shape[1]
+    E = p["w_gate"].shape[0]
+    order, sorted_e, counts = sort_assignments(idx_Nk, E)
+    x_AD = x_ND[order // k]
+    fn = {"tiled": _experts_tiled, "ragged": _experts_ragged}.get(impl)
+    if fn is None:
+        raise ValueError(f"unknown MoE impl {impl!r}; use 'tiled' or 'ragged'")
+    y_sorted = fn(x_AD, sorted_e, counts, p["w_gate"], p["w_up"], p["w_down"])
+    y_AD = jnp.zeros_like(y_sorted).at[order].set(y_sorted, unique_indices=True)
+    y_NkD = y_AD.reshape(N, k, D).astype(jnp.float32)
+    return jnp.einsum("NkD,Nk->ND", y_NkD, weights_Nk).astype(x_ND.dtype)
+
+
+def moe(p, cfg: ModelConfig, x_ND, impl: str | None = None):
+    """Routed experts plus shared experts, for flattened tokens [N,D]."""
+    weights, idx = gate(p, cfg, x_ND)
+    y = routed_experts(p, x_ND, weights, idx, impl)
+    if cfg.n_shared_experts:
+        s = p["shared"]
+        y = y + swiglu(x_ND, s["w_gate"], s["w_up"], s["w_down"])
+    return y
+
+
+def init_mlp(key, D, F, dtype, leading=()):
+    k1, k2, k3 = jax.random.split(key, 3)
+
+    def dense(k, shape, fan_in):
+        return (jax.random.normal(k, leading + shape, jnp.float32) * fan_in ** -0.5).astype(dtype)
+
+    return {"w_gate": dense(k1, (D, F), D), "w_up": dense(k2, (D, F), D), "w_down": dense(k3, (F, D), F)}
+
+
+def init_moe(cfg: ModelConfig, key, dtype):
+    D, E, F = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
+    k_router, k_experts, k_shared = jax.random.split(key, 3)
+    p = init_mlp(k_experts, D, F, dtype, leading=(E,))
+    p["router"] = (jax.random.normal(k_router, (D, E), jnp.float32) * D ** -0.5).astype(dtype)
+    if cfg.topk_method == "noaux_tc":
+        p["router_bias"] = jnp.zeros((E,), jnp.float32)
+    if cfg.n_shared_experts:
+        p["shared"] = init_mlp(k_shared, D, F * cfg.n_shared_experts, dtype)
+    return p

@@ -1,0 +1,280 @@
+"""The DeepSeek-V2/V3 decoder: params, forward, prefill, decode_step, generate.
+
+Params are a plain dict pytree::
+
+  {"embed": [V,D], "final_norm": [D], "lm_head": [D,V],
+   "layers": [ {"attn_norm": [D], "attn": {...mla...}, "ffn_norm": [D],
+                "mlp": {w_gate [D,F], w_up [D,F], w_down [F,D]}          # dense layers
+                | "moe": {router [D,E], (router_bias [E]), w_gate [E,D,F], w_up [E,D,F],
+                          w_down [E,F,D], (shared: {w_gate, w_up, w_down})}}, ...]}
+
+Every public function validates its inputs on the host and raises ValueError before any
+compute; the jitted cores below take the config as a static argument.
+"""
+
+from __future__ import annotations
+
+import functools
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pdjax.config import ModelConfig
+from pdjax.model import mla
+from pdjax.model import moe as moe_lib
+from pdjax.model.cache import KVCache, init_cache, write_rows
+
+
+# ---- params -----------------------------------------------------------------------------
+
+def init_params(cfg: ModelConfig, key, dtype=jnp.float32) -> dict:
+    """Random params (normal, std 1/sqrt(fan_in); norms 1; router bias 0)."""
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+    D, V = cfg.hidden_size, cfg.vocab_size
+    k_embed, k_head, k_layers = jax.random.split(key, 3)
+    layers = []
+    for i, k in enumerate(jax.random.split(k_layers, cfg.num_hidden_layers)):
+        k_attn, k_ffn = jax.random.split(k)
+        layer = {"attn_norm": jnp.ones((D,), dtype), "attn": mla.init_attention(cfg, k_attn, dtype),
+                 "ffn_norm": jnp.ones((D,), dtype)}
+        if cfg.is_moe_layer(i):
+            layer["moe"] = moe_lib.init_moe(cfg, k_ffn, dtype)
+        else:
+            layer["mlp"] = moe_lib.init_mlp(k_ffn, D, cfg.intermediate_size, dtype)
+        layers.append(layer)
+    return {
+        "embed": jax.random.normal(k_embed, (V, D), jnp.float32).astype(dtype),
+        "layers": layers,
+        "final_norm": jnp.ones((D,), dtype),
+        "lm_head": (jax.random.normal(k_head, (D, V), jnp.float32) * D ** -0.5).astype(dtype),
+    }
+
+
+def param_dtype(params) -> jnp.dtype:
+    return params["embed"].dtype
+
+
+# ---- one layer ----------------------------------------------------------------------------
+
+def ffn(lp, cfg: ModelConfig, x_BTD, moe_impl=None):
+    """Dense SwiGLU MLP or routed+shared MoE, by which the layer holds."""
+    if "moe" in lp:
+        B, T, D = x_BTD.shape
+        return moe_lib.moe(lp["moe"], cfg, x_BTD.reshape(B * T, D), moe_impl).reshape(B, T, D)
+    m = lp["mlp"]
+    return moe_lib.swiglu(x_BTD, m["w_gate"], m["w_up"], m["w_down"])
+
+
+def attention(lp, cfg: ModelConfig, x_BTD, q_pos_BT, kv_layer_BSL=None, start_B=None, absorbed=False):
+    """Self-attention sub-layer (input already normed). Returns (out [B,T,D], kv).
+
+    Without a cache the chunk attends to itself (causal). With ``kv_layer_BSL`` the new
+    latents are written at ``start_B`` and the chunk attends to the whole cached prefix;
+    the updated layer cache is returned.
+    """
+    p = lp["attn"]
+    cos, sin = mla.rope_cos_sin(cfg, q_pos_BT)
+    q_nope, q_pe = mla.project_q(p, cfg, x_BTD, cos, sin)
+    new_BTL = mla.project_kv_latent(p, cfg, x_BTD, cos, sin)
+    if kv_layer_BSL is None:
+        T = x_BTD.shape[1]
+        kv, mask = new_BTL, jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (x_BTD.shape[0], T, T))
+    else:
+        kv = write_rows(kv_layer_BSL, new_BTL, start_B)
+        mask = mla.causal_mask(q_pos_BT, kv.shape[1])
+    attend = mla.attend_absorbed if absorbed else mla.attend_naive
+    o = attend(p, cfg, q_nope, q_pe, kv, mask)
+    return mla.output_proj(p, o), (new_BTL if kv_layer_BSL is None else kv)
+
+
+def layer(lp, cfg: ModelConfig, x_BTD, q_pos_BT, kv_layer_BSL=None, start_B=None,
+          absorbed=False, moe_impl=None):
+    """One decoder layer: x + attn(norm(x)), then + ffn(norm(.)). Returns (x, kv)."""
+    h, kv = attention(lp, cfg, mla.rms_norm(x_BTD, lp["attn_norm"], cfg.rms_norm_eps), q_pos_BT,
+                      kv_layer_BSL, start_B, absorbed)
+    x_BTD = x_BTD + h
+    x_BTD = x_BTD + ffn(lp, cfg, mla.rms_norm(x_BTD, lp["ffn_norm"], cfg.rms_norm_eps), moe_impl)
+    return x_BTD, kv
+
+
+def embed(params, tokens):
+    return params["embed"][tokens]
+
+
+def head(params, cfg: ModelConfig, x):
+    x = mla.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    return (x @ params["lm_head"]).astype(jnp.float32)
+
+
+# ---- jitted cores ------------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnames=("cfg", "moe_impl"))
+def _forward(params, cfg, tokens_BT, moe_impl=None):
+    B, T = tokens_BT.shape
+    q_pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    x = embed(params, tokens_BT)
+    for lp in params["layers"]:
+        x, _ = layer(lp, cfg, x, q_pos, moe_impl=moe_impl)
+    return head(params, cfg, x)
+
+
+def _run_with_cache(params, cfg, tokens_BT, cache, new_lengths_B, absorbed, moe_impl):
+    start = cache.lengths
+    q_pos = start[:, None] + jnp.arange(tokens_BT.shape[1], dtype=jnp.int32)[None, :]
+    x = embed(params, tokens_BT)
+    kv_all = cache.kv
+    for l, lp in enumerate(params["layers"]):
+        x, kv = layer(lp, cfg, x, q_pos, kv_all[l], start, absorbed, moe_impl)
+        kv_all = kv_all.at[l].set(kv)
+    return head(params, cfg, x), KVCache(kv=kv_all, lengths=start + new_lengths_B)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "absorbed", "moe_impl"), donate_argnames=("cache",))
+def _prefill(params, cfg, tokens_BT, cache, lengths_B, absorbed=False, moe_impl=None):
+    return _run_with_cache(params, cfg, tokens_BT, cache, lengths_B, absorbed, moe_impl)
+
+
+def _decode_impl(params, cfg, tokens_B, cache, moe_impl=None):
+    logits, cache = _run_with_cache(params, cfg, tokens_B[:, None], cache,
+                                    jnp.ones_like(cache.lengths), True, moe_impl)
+    return logits[:, 0], cache
+
+
+_decode_step = jax.jit(_decode_impl, static_argnames=("cfg", "moe_impl"), donate_argnames=("cache",))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "steps", "moe_impl"), donate_argnames=("cache",))
+def _greedy_loop(params, cfg, first_B, cache, steps, moe_impl=None):
+    def body(carry, _):
+        tok, cache = carry
+        logits, cache = _decode_impl(params, cfg, tok, cache, moe_impl)
+        nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return (nxt, cache), nxt
+    (_, cache), toks = jax.lax.scan(body, (first_B, cache), None, length=steps)
+    return toks.T, cache
+
+
+# ---- validation ----------------------------------------------------------------------------
+
+def _is_tracer(x) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def check_tokens(cfg: ModelConfig, tokens, ndim: int, name: str = "tokens"):
+    """Shape, dtype and range checks on the host; returns an int32 array."""
+    if _is_tracer(tokens):
+        return tokens
+    arr = np.asarray(tokens)
+    if arr.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"{name} must be integer token ids, got dtype {arr.dtype}")
+    if 0 in arr.shape:
+        raise ValueError(f"{name} is empty (shape {arr.shape})")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= cfg.vocab_size:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"{name} holds token id {bad}, outside [0, vocab_size={cfg.vocab_size})")
+    return jnp.asarray(arr, jnp.int32)
+
+
+# ---- public API ----------------------------------------------------------------------------
+
+def forward(params, cfg: ModelConfig, tokens, *, moe_impl=None):
+    """Logits [B,T,V] (float32) of a full causal forward, no cache."""
+    tokens = check_tokens(cfg, tokens, 2)
+    if not _is_tracer(tokens) and tokens.shape[1] > cfg.max_position_embeddings:
+        raise ValueError(f"sequence length {tokens.shape[1]} exceeds "
+                         f"max_position_embeddings={cfg.max_position_embeddings}")
+    return _forward(params, cfg, tokens, moe_impl)
+
+
+def prefill(params, cfg: ModelConfig, tokens, *, max_len: int | None = None,
+            cache: KVCache | None = None, lengths=None, absorbed: bool = False, moe_impl=None):
+    """Run a prompt chunk [B,T] through the model, writing its latents into the cache.
+
+    * ``cache=None``: a new cache of ``max_len`` (default T) positions is made.
+    * with ``cache``: the chunk continues each row at ``cache.lengths`` and attends to the
+      cached prefix (chunked prefill). The given cache is donated.
+    * ``lengths [B]`` (optional): valid tokens per row for right-padded ragged prompts.
+    Returns (logits [B,T,V] float32, cache).
+    """
+    tokens = check_tokens(cfg, tokens, 2)
+    B, T = tokens.shape
+    if cache is None:
+        max_len = T if max_len is None else max_len
+        if T > max_len:
+            raise ValueError(f"prompt of {T} tokens is longer than max_len={max_len}")
+        cache = init_cache(cfg, B, max_len, param_dtype(params))
+    elif max_len is not None and max_len != cache.max_len:
+        raise ValueError(f"max_len={max_len} disagrees with the given cache ({cache.max_len})")
+    if cache.batch != B:
+        raise ValueError(f"tokens batch {B} does not match cache batch {cache.batch}")
+    if lengths is None:
+        lengths = np.full((B,), T, np.int32)
+    if not _is_tracer(lengths):
+        lengths = np.asarray(lengths, np.int32)
+        if lengths.shape != (B,) or lengths.min() < 1 or lengths.max() > T:
+            raise ValueError(f"lengths must be [B={B}] values in [1, {T}], got {lengths.tolist()}")
+    if not _is_tracer(cache.lengths):
+        end = np.asarray(cache.lengths) + T
+        if end.max() > cache.max_len:
+            raise ValueError(f"prompt of {T} tokens after a cached prefix of "
+                             f"{int(end.max()) - T} exceeds max_len={cache.max_len}")
+    return _prefill(params, cfg, tokens, cache, jnp.asarray(lengths), absorbed, moe_impl)
+
+
+def decode_step(params, cfg: ModelConfig, next_tokens, cache: KVCache, *, moe_impl=None):
+    """One token per row [B] -> (logits [B,V] float32, cache). Absorbed MLA; cache donated."""
+    next_tokens = check_tokens(cfg, next_tokens, 1, "next_tokens")
+    if next_tokens.shape[0] != cache.batch:
+        raise ValueError(f"next_tokens batch {next_tokens.shape[0]} does not match cache batch {cache.batch}")
+    if not _is_tracer(cache.lengths) and int(np.asarray(cache.lengths).max()) >= cache.max_len:
+        raise ValueError(f"cache is full: a row already holds max_len={cache.max_len} tokens")
+    return _decode_step(params, cfg, next_tokens, cache, moe_impl)
+
+
+def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int, max_len: int | None = None,
+             moe_impl=None):
+    """Greedy generation.
+
+    ``prompts``: an int array [B,T] (returns an array [B, T+max_new_tokens]) or a list of
+    token lists of any lengths (returns a list of lists, each prompt + new tokens).
+    """
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    ragged = isinstance(prompts, (list, tuple))
+    if ragged:
+        if not prompts:
+            raise ValueError("prompts is empty")
+        lens = [len(p) for p in prompts]
+        for i, n in enumerate(lens):
+            if n == 0:
+                raise ValueError(f"prompt {i} is empty")
+        T = max(lens)
+        padded = np.zeros((len(prompts), T), np.int64)
+        for i, p in enumerate(prompts):
+            padded[i, : len(p)] = np.asarray(p, np.int64)
+            check_tokens(cfg, padded[i : i + 1, : len(p)], 2, f"prompt {i}")
+        tokens, lengths = padded, np.asarray(lens, np.int32)
+    else:
+        tokens = np.asarray(prompts)
+        check_tokens(cfg, tokens, 2, "prompts")
+        lengths = np.full((tokens.shape[0],), tokens.shape[1], np.int32)
+    need = int(lengths.max()) + max_new_tokens
+    max_len = need if max_len is None else max_len
+    if need > max_len:
+        raise ValueError(f"prompt ({int(lengths.max())}) + max_new_tokens ({max_new_tokens}) "
+                         f"exceeds max_len={max_len}")
+    logits, cache = prefill(params, cfg, tokens, max_len=max_len, lengths=lengths, moe_impl=moe_impl)
+    first = jnp.argmax(logits[jnp.arange(tokens.shape[0]), jnp.asarray(lengths) - 1], -1).astype(jnp.int32)
+    if max_new_tokens > 1:
+        rest, _ = _greedy_loop(params, cfg, first, cache, max_new_tokens - 1, moe_impl)
+        new = np.concatenate([np.asarray(first)[:, None], np.asarray(rest)], axis=1)
+    else:
+        new = np.asarray(first)[:, None]
+    if ragged:
+        return [list(map(int, p)) + new[i].tolist() for i, p in enumerate(prompts)]
+    return np.concatenate([tokens.astype(np.int32), new], axis=1)
+

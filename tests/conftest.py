@@ -1,0 +1,32 @@
+"""Test set-up: 8 simulated CPU devices (set before jax initialises), float32 matmuls at
+full precision, and the persistent compilation cache."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+
+jax.config.update("jax_compilation_cache_dir",
+                  os.path.join(os.path.dirname(os.path.dirname(__file__)), ".jax_cache"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+jax.config.update("jax_default_matmul_precision", "highest")
+
+import pytest  # noqa: E402
+
+import pdjax  # noqa: E402
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg():
+    return pdjax.configs.tiny()
+
+
+@pytest.fixture(scope="session")
+def tiny_params(tiny_cfg):
+    return pdjax.init_params(tiny_cfg, jax.random.key(0))
