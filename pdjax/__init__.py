@@ -13,9 +13,10 @@ The model API is pure functions over param pytrees::
 from pdjax import configs
 from pdjax.config import ModelConfig, RopeScaling
 from pdjax.model.cache import KVCache, init_cache
+from pdjax.model.hf import load_hf, restore_params, save_hf, save_params
 from pdjax.model.transformer import decode_step, forward, generate, init_params, prefill
 
 __all__ = [
     "ModelConfig", "RopeScaling", "KVCache", "configs", "decode_step", "forward", "generate",
-    "init_cache", "init_params", "prefill",
+    "init_cache", "init_params", "load_hf", "prefill", "restore_params", "save_hf", "save_params",
 ]

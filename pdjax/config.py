@@ -250,8 +250,13 @@ def from_hf_dict(d: Mapping[str, Any]) -> ModelConfig:
             kwargs[k] = 1
     if kwargs.get("routed_scaling_factor") is None:
         kwargs["routed_scaling_factor"] = 1.0
-    if "topk_method" not in kwargs or kwargs["topk_method"] is None:
-        kwargs["topk_method"] = "noaux_tc" if model_type == "deepseek_v3" else "greedy"
+    # transformers' DeepseekV3 config has no scoring_func/topk_method: V3 is always
+    # sigmoid + noaux_tc; DeepSeek-V2's remote code defaults to softmax + greedy.
+    v3 = model_type == "deepseek_v3"
+    if kwargs.get("topk_method") is None:
+        kwargs["topk_method"] = "noaux_tc" if v3 else "greedy"
+    if kwargs.get("scoring_func") is None:
+        kwargs["scoring_func"] = "sigmoid" if v3 else "softmax"
     try:
         return ModelConfig(**kwargs)
     except TypeError as e:  # wrong value types surface as ValueError naming the problem

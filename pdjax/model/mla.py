@@ -25,6 +25,11 @@ import numpy as np
 from pdjax.config import ModelConfig, yarn_mscale
 
 
+# q_a_layernorm and kv_a_layernorm are built with the default eps in DeepSeek's reference and
+# in transformers, not config.rms_norm_eps (equal in every published config).
+LATENT_NORM_EPS = 1e-6
+
+
 def rms_norm(x, weight, eps):
     """RMSNorm in float32, cast back to x.dtype before the scale (as HF does)."""
     xf = x.astype(jnp.float32)
@@ -99,7 +104,7 @@ def project_q(p, cfg: ModelConfig, x_BTD, cos, sin):
     if cfg.q_lora_rank is None:
         q_BTHK = jnp.einsum("BTD,DHK->BTHK", x_BTD, p["wq"])
     else:
-        q_BTQ = rms_norm(x_BTD @ p["wq_a"], p["q_norm"], cfg.rms_norm_eps)
+        q_BTQ = rms_norm(x_BTD @ p["wq_a"], p["q_norm"], LATENT_NORM_EPS)
         q_BTHK = jnp.einsum("BTQ,QHK->BTHK", q_BTQ, p["wq_b"])
     q_nope, q_pe = jnp.split(q_BTHK, [cfg.qk_nope_head_dim], axis=-1)
     return q_nope, apply_rope(q_pe, cos, sin)
@@ -109,7 +114,7 @@ def project_kv_latent(p, cfg: ModelConfig, x_BTD, cos, sin):
     """The cache entry of each new token: [RMSNorm(latent) | RoPE(k_pe)], shape [B,T,C+R]."""
     kv_BTL = x_BTD @ p["wkv_a"]
     c_BTC, k_pe_BTR = jnp.split(kv_BTL, [cfg.kv_lora_rank], axis=-1)
-    c_BTC = rms_norm(c_BTC, p["kv_norm"], cfg.rms_norm_eps)
+    c_BTC = rms_norm(c_BTC, p["kv_norm"], LATENT_NORM_EPS)
     return jnp.concatenate([c_BTC, apply_rope(k_pe_BTR, cos, sin)], axis=-1)
 
 

@@ -1,0 +1,364 @@
+"""Hugging Face DeepSeek-V2/V3 checkpoints <-> pdjax params; orbax save/restore.
+
+HF stores ``nn.Linear`` weights as [out, in]; pdjax keeps [in, out] with heads split out
+(see transformer.py for the param layout). ``kv_b_proj`` [H*(K+V), C] splits into
+``wk_b`` [C,H,K] and ``wv_b`` [C,H,V]. Routed experts use the published per-expert names
+``mlp.experts.{e}.{gate,up,down}_proj.weight`` and are stacked to [E, ...].
+Block-FP8 tensors (``weight`` in float8 with ``weight_scale_inv`` per 128x128 block, as
+DeepSeek-V3 ships) are dequantised on load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pdjax.config import ModelConfig, load_hf_config
+
+FP8_BLOCK = 128
+
+
+# ---- the name map -------------------------------------------------------------------------
+
+def _lin(name, out_dim, in_dim):
+    return name, (out_dim, in_dim)
+
+
+def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of ``cfg`` must hold (MTP layers excluded), with HF shapes."""
+    D, H, V = cfg.hidden_size, cfg.num_attention_heads, cfg.vocab_size
+    K, R, C, Vh = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
+    t = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
+    if not cfg.tie_word_embeddings:
+        t["lm_head.weight"] = (V, D)
+    for i in range(cfg.num_hidden_layers):
+        a = f"model.layers.{i}."
+        t[a + "input_layernorm.weight"] = (D,)
+        t[a + "post_attention_layernorm.weight"] = (D,)
+        s = a + "self_attn."
+        if cfg.q_lora_rank is None:
+            t[s + "q_proj.weight"] = (H * (K + R), D)
+        else:
+            Q = cfg.q_lora_rank
+            t[s + "q_a_proj.weight"] = (Q, D)
+            t[s + "q_a_layernorm.weight"] = (Q,)
+            t[s + "q_b_proj.weight"] = (H * (K + R), Q)
+        t[s + "kv_a_proj_with_mqa.weight"] = (C + R, D)
+        t[s + "kv_a_layernorm.weight"] = (C,)
+        t[s + "kv_b_proj.weight"] = (H * (K + Vh), C)
+        t[s + "o_proj.weight"] = (D, H * Vh)
+        m = a + "mlp."
+        if cfg.is_moe_layer(i):
+            F, E = cfg.moe_intermediate_size, cfg.n_routed_experts
+            t[m + "gate.weight"] = (E, D)
+            if cfg.topk_method == "noaux_tc":
+                t[m + "gate.e_score_correction_bias"] = (E,)
+            for e in range(E):
+                _mlp_names(t, f"{m}experts.{e}.", D, F)
+            if cfg.n_shared_experts:
+                _mlp_names(t, m + "shared_experts.", D, F * cfg.n_shared_experts)
+        else:
+            _mlp_names(t, m, D, cfg.intermediate_size)
+    return t
+
+
+def _mlp_names(t, prefix, D, F):
+    t[prefix + "gate_proj.weight"] = (F, D)
+    t[prefix + "up_proj.weight"] = (F, D)
+    t[prefix + "down_proj.weight"] = (D, F)
+
+
+def _mlp_from_hf(get, prefix):
+    return {"w_gate": get(prefix + "gate_proj.weight").T, "w_up": get(prefix + "up_proj.weight").T,
+            "w_down": get(prefix + "down_proj.weight").T}
+
+
+def params_from_tensors(cfg: ModelConfig, get) -> dict:
+    """Assemble params from a getter ``get(hf_name) -> np.ndarray`` (HF layout)."""
+    D, H = cfg.hidden_size, cfg.num_attention_heads
+    K, R, Vh = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    layers = []
+    for i in range(cfg.num_hidden_layers):
+        a = f"model.layers.{i}."
+        s = a + "self_attn."
+        attn = {}
+        if cfg.q_lora_rank is None:
+            attn["wq"] = get(s + "q_proj.weight").T.reshape(D, H, K + R)
+        else:
+            attn["wq_a"] = get(s + "q_a_proj.weight").T
+            attn["q_norm"] = get(s + "q_a_layernorm.weight")
+            attn["wq_b"] = get(s + "q_b_proj.weight").T.reshape(cfg.q_lora_rank, H, K + R)
+        attn["wkv_a"] = get(s + "kv_a_proj_with_mqa.weight").T
+        attn["kv_norm"] = get(s + "kv_a_layernorm.weight")
+        kv_b = get(s + "kv_b_proj.weight").reshape(H, K + Vh, cfg.kv_lora_rank)
+        attn["wk_b"] = kv_b[:, :K].transpose(2, 0, 1)
+        attn["wv_b"] = kv_b[:, K:].transpose(2, 0, 1)
+        attn["wo"] = get(s + "o_proj.weight").T.reshape(H, Vh, D)
+        layer = {"attn_norm": get(a + "input_layernorm.weight"), "attn": attn,
+                 "ffn_norm": get(a + "post_attention_layernorm.weight")}
+        m = a + "mlp."
+        if cfg.is_moe_layer(i):
+            experts = [_mlp_from_hf(get, f"{m}experts.{e}.") for e in range(cfg.n_routed_experts)]
+            moe = {k: np.stack([x[k] for x in experts]) for k in ("w_gate", "w_up", "w_down")}
+            moe["router"] = get(m + "gate.weight").T
+            if cfg.topk_method == "noaux_tc":
+                moe["router_bias"] = get(m + "gate.e_score_correction_bias").astype(np.float32)
+            if cfg.n_shared_experts:
+                moe["shared"] = _mlp_from_hf(get, m + "shared_experts.")
+            layer["moe"] = moe
+        else:
+            layer["mlp"] = _mlp_from_hf(get, m)
+        layers.append(layer)
+    embed = get("model.embed_tokens.weight")
+    head = embed if cfg.tie_word_embeddings else get("lm_head.weight")
+    return {"embed": embed, "layers": layers, "final_norm": get("model.norm.weight"), "lm_head": head.T}
+
+
+def params_to_tensors(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
+    """The inverse of :func:`params_from_tensors`: HF names and layouts."""
+    D, H = cfg.hidden_size, cfg.num_attention_heads
+    out = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["final_norm"]}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = params["lm_head"].T
+
+    def mlp(prefix, p, e=None):
+        sel = (lambda x: x[e]) if e is not None else (lambda x: x)
+        out[prefix + "gate_proj.weight"] = sel(p["w_gate"]).T
+        out[prefix + "up_proj.weight"] = sel(p["w_up"]).T
+        out[prefix + "down_proj.weight"] = sel(p["w_down"]).T
+
+    for i, lp in enumerate(params["layers"]):
+        a = f"model.layers.{i}."
+        s = a + "self_attn."
+        at = lp["attn"]
+        out[a + "input_layernorm.weight"] = lp["attn_norm"]
+        out[a + "post_attention_layernorm.weight"] = lp["ffn_norm"]
+        if "wq" in at:
+            out[s + "q_proj.weight"] = at["wq"].reshape(D, -1).T
+        else:
+            out[s + "q_a_proj.weight"] = at["wq_a"].T
+            out[s + "q_a_layernorm.weight"] = at["q_norm"]
+            out[s + "q_b_proj.weight"] = at["wq_b"].reshape(at["wq_b"].shape[0], -1).T
+        out[s + "kv_a_proj_with_mqa.weight"] = at["wkv_a"].T
+        out[s + "kv_a_layernorm.weight"] = at["kv_norm"]
+        kv_b = np.concatenate([np.asarray(at["wk_b"]), np.asarray(at["wv_b"])], axis=2)  # [C,H,K+V]
+        out[s + "kv_b_proj.weight"] = kv_b.transpose(1, 2, 0).reshape(-1, kv_b.shape[0])
+        out[s + "o_proj.weight"] = at["wo"].reshape(H * at["wo"].shape[1], D).T
+        m = a + "mlp."
+        if "moe" in lp:
+            p = lp["moe"]
+            out[m + "gate.weight"] = p["router"].T
+            if "router_bias" in p:
+                out[m + "gate.e_score_correction_bias"] = p["router_bias"]
+            for e in range(p["w_gate"].shape[0]):
+                mlp(f"{m}experts.{e}.", p, e)
+            if "shared" in p:
+                mlp(m + "shared_experts.", p["shared"])
+        else:
+            mlp(m, lp["mlp"])
+    return {k: np.ascontiguousarray(np.asarray(v)) for k, v in out.items()}
+
+
+# ---- files ------------------------------------------------------------------------------
+
+def _shard_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"malformed {index}: {e}") from None
+        files = sorted(set(weight_map.values()))
+        for fn in files:
+            if not os.path.exists(os.path.join(path, fn)):
+                raise FileNotFoundError(f"{index} names shard {fn}, which is missing")
+        return [os.path.join(path, fn) for fn in files]
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    return [os.path.join(path, f) for f in files]
+
+
+def _st_dtypes():
+    import ml_dtypes
+    return {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+            "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+            "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+            "BOOL": np.bool_}
+
+
+class SafetensorsFile:
+    """A safetensors file read through np.memmap (any dtype ml_dtypes knows: bf16, fp8).
+
+    The header is checked against the file size on open, so truncation is caught before
+    any tensor is read.
+    """
+
+    def __init__(self, file: str):
+        self.file = file
+        size = os.path.getsize(file)
+        with open(file, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise ValueError(f"truncated safetensors file {file}: {size} bytes, no header")
+            n = int.from_bytes(raw, "little")
+            if 8 + n > size:
+                raise ValueError(f"truncated safetensors file {file}: header claims {n} bytes, file has {size}")
+            try:
+                header = json.loads(f.read(n))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ValueError(f"corrupt safetensors header in {file}: {e}") from None
+        header.pop("__metadata__", None)
+        self.data_start = 8 + n
+        dtypes = _st_dtypes()
+        for name, info in header.items():
+            try:
+                dtype = np.dtype(dtypes[info["dtype"]])
+                begin, end = info["data_offsets"]
+                count = int(np.prod(info["shape"], dtype=np.int64))
+            except (KeyError, TypeError, ValueError) as e:
+                raise ValueError(f"corrupt safetensors header entry {name} in {file}: {e!r}") from None
+            if end - begin != count * dtype.itemsize:
+                raise ValueError(f"tensor {name} in {file}: {end - begin} bytes for shape "
+                                 f"{info['shape']} of {info['dtype']}")
+            if self.data_start + end > size:
+                raise ValueError(f"truncated safetensors file {file}: tensor {name} ends at byte "
+                                 f"{self.data_start + end}, file has {size}")
+            info["np_dtype"] = dtype
+        self.header = header
+
+    def keys(self):
+        return self.header.keys()
+
+    def get(self, name: str) -> np.ndarray:
+        info = self.header[name]
+        begin, _ = info["data_offsets"]
+        return np.memmap(self.file, dtype=info["np_dtype"], mode="r", offset=self.data_start + begin,
+                         shape=tuple(info["shape"]))
+
+
+def _dequant_fp8(w, scale_inv):
+    """Block-FP8: each 128x128 block of w is multiplied by its scale_inv entry."""
+    w = w.astype(np.float32)
+    s = np.repeat(np.repeat(scale_inv.astype(np.float32), FP8_BLOCK, 0), FP8_BLOCK, 1)
+    return w * s[: w.shape[0], : w.shape[1]]
+
+
+def load_hf(path: str, dtype=jnp.float32):
+    """Load a HF DeepSeek-V2/V3 checkpoint directory. Returns (cfg, params).
+
+    Raises ValueError naming the tensor for any missing or unexpected tensor or shape
+    mismatch, and naming the file for a truncated or corrupt safetensors file.
+    Multi-token-prediction layers (index >= num_hidden_layers) are skipped with a warning.
+    """
+    cfg = load_hf_config(path)
+    readers = {f: SafetensorsFile(f) for f in _shard_files(path)}
+    where: dict[str, str] = {}
+    for file, reader in readers.items():
+        for name in reader.keys():
+            if name in where:
+                raise ValueError(f"tensor {name} appears in both {where[name]} and {file}")
+            where[name] = file
+    expected = expected_tensors(cfg)
+    mtp, unexpected = [], []
+    for name in where:
+        if name in expected or name.endswith("weight_scale_inv") or name.endswith("rotary_emb.inv_freq"):
+            continue
+        parts = name.split(".")
+        if name.startswith("model.layers.") and int(parts[2]) >= cfg.num_hidden_layers:
+            mtp.append(name)
+        else:
+            unexpected.append(name)
+    if unexpected:
+        raise ValueError(f"unexpected tensor {unexpected[0]} in checkpoint {path} "
+                         f"({len(unexpected)} unexpected in all)")
+    missing = [n for n in expected if n not in where]
+    if missing:
+        raise ValueError(f"missing tensor {missing[0]} in checkpoint {path} ({len(missing)} missing in all)")
+    if mtp:
+        layers = sorted({int(n.split('.')[2]) for n in mtp})
+        warnings.warn(f"skipping multi-token-prediction layers {layers} ({len(mtp)} tensors)")
+    def get(name):
+        w = readers[where[name]].get(name)
+        scale = name + "_scale_inv"
+        if scale in where:
+            w = _dequant_fp8(w, readers[where[scale]].get(scale))
+        if tuple(w.shape) != expected[name]:
+            raise ValueError(f"tensor {name} has shape {tuple(w.shape)}, expected {expected[name]}")
+        return np.asarray(w, np.float32)
+
+    params = params_from_tensors(cfg, get)
+    params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+    for lp in params["layers"]:  # the correction bias stays float32, as in HF
+        if "moe" in lp and "router_bias" in lp["moe"]:
+            lp["moe"]["router_bias"] = lp["moe"]["router_bias"].astype(jnp.float32)
+    return cfg, params
+
+
+def save_hf(path: str, params, cfg: ModelConfig, max_shard_bytes: int | None = None) -> None:
+    """Write params as a HF checkpoint (config.json + safetensors, sharded with an index
+    when ``max_shard_bytes`` is given)."""
+    from safetensors.numpy import save_file
+
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg.to_hf_dict(), f, indent=2)
+    tensors = params_to_tensors(cfg, params)
+    if max_shard_bytes is None:
+        save_file(tensors, os.path.join(path, "model.safetensors"))
+        return
+    shards, cur, size = [], {}, 0
+    for name, t in tensors.items():
+        if cur and size + t.nbytes > max_shard_bytes:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[name] = t
+        size += t.nbytes
+    shards.append(cur)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fn = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(path, fn))
+        weight_map.update({n: fn for n in shard})
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
+
+
+# ---- orbax -------------------------------------------------------------------------------
+
+def save_params(path: str, params) -> None:
+    """Save a params pytree with orbax (path must not exist)."""
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(os.path.abspath(path), params)
+        ckptr.wait_until_finished()
+
+
+def restore_params(path: str, like=None, sharding=None):
+    """Restore params saved by :func:`save_params`.
+
+    ``like``: a params pytree (or of jax.ShapeDtypeStruct) giving structure, shapes and
+    dtypes; ``sharding``: a single jax.sharding.Sharding or a pytree of them matching
+    ``like``, the placement of the restored arrays (default: as ``like`` is placed, else
+    the default device).
+    """
+    import orbax.checkpoint as ocp
+
+    if like is None:
+        with ocp.StandardCheckpointer() as ckptr:
+            return ckptr.restore(os.path.abspath(path))
+    if sharding is None:
+        sharding = jax.tree.map(lambda x: getattr(x, "sharding", None) or
+                                jax.sharding.SingleDeviceSharding(jax.devices()[0]), like)
+    elif isinstance(sharding, jax.sharding.Sharding):
+        sharding = jax.tree.map(lambda _: sharding, like)
+    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), like, sharding)
+    with ocp.StandardCheckpointer() as ckptr:
+        return ckptr.restore(os.path.abspath(path), target)
