@@ -146,8 +146,10 @@ def attend_absorbed(p, cfg: ModelConfig, q_nope, q_pe, kv_BSL, mask_BTS):
     q_BTHL = jnp.concatenate([q_lat_BTHC, q_pe.astype(q_lat_BTHC.dtype)], axis=-1)
     scores = jnp.einsum("BTHL,BSL->BHTS", q_BTHL, kv_BSL) * cfg.softmax_scale
     probs = _masked_softmax(scores, mask_BTS).astype(kv_BSL.dtype)
-    o_BTHC = jnp.einsum("BHTS,BSC->BTHC", probs, kv_BSL[..., : cfg.kv_lora_rank])
-    return jnp.einsum("BTHC,CHV->BTHV", o_BTHC, p["wv_b"])
+    # Attend over the full cached rows and drop the rope columns of the small result: slicing
+    # the latent out of the cache first would copy the cache.
+    o_BTHL = jnp.einsum("BHTS,BSL->BTHL", probs, kv_BSL)
+    return jnp.einsum("BTHC,CHV->BTHV", o_BTHL[..., : cfg.kv_lora_rank], p["wv_b"])
 
 
 def output_proj(p, o_BTHV):

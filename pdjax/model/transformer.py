@@ -123,11 +123,11 @@ def _run_with_cache(params, cfg, tokens_BT, cache, new_lengths_B, absorbed, moe_
     start = cache.lengths
     q_pos = start[:, None] + jnp.arange(tokens_BT.shape[1], dtype=jnp.int32)[None, :]
     x = embed(params, tokens_BT)
-    kv_all = cache.kv
-    for l, lp in enumerate(params["layers"]):
-        x, kv = layer(lp, cfg, x, q_pos, kv_all[l], start, absorbed, moe_impl)
-        kv_all = kv_all.at[l].set(kv)
-    return head(params, cfg, x), KVCache(kv=kv_all, lengths=start + new_lengths_B)
+    new_kv = []
+    for lp, kv_layer in zip(params["layers"], cache.kv):
+        x, kv_layer = layer(lp, cfg, x, q_pos, kv_layer, start, absorbed, moe_impl)
+        new_kv.append(kv_layer)
+    return head(params, cfg, x), KVCache(kv=tuple(new_kv), lengths=start + new_lengths_B)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "absorbed", "moe_impl"), donate_argnames=("cache",))

@@ -61,7 +61,8 @@ def test_cache_holds_only_latent_and_rope_key(tiny_cfg, tiny_params, ref):
     toks, _ = ref
     _, cache = pdjax.prefill(tiny_params, tiny_cfg, toks, max_len=16)
     cfg = tiny_cfg
-    assert cache.kv.shape == (cfg.num_hidden_layers, 3, 16, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    assert len(cache.kv) == cfg.num_hidden_layers
+    assert cache.stacked().shape == (cfg.num_hidden_layers, 3, 16, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
     assert cache.nbytes_per_token() == cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
 
 
@@ -72,7 +73,7 @@ def test_two_chunk_prefill_equals_one_chunk(tiny_cfg, tiny_params, ref):
     second, cache = pdjax.prefill(tiny_params, tiny_cfg, toks[:, 6:], cache=cache)
     np.testing.assert_allclose(np.concatenate([first, second], 1), one, atol=TOL, rtol=0)
     T = toks.shape[1]
-    np.testing.assert_allclose(cache.kv[:, :, :T], c_one.kv[:, :, :T], atol=TOL, rtol=0)
+    np.testing.assert_allclose(cache.stacked()[:, :, :T], c_one.stacked()[:, :, :T], atol=TOL, rtol=0)
     np.testing.assert_array_equal(cache.lengths, c_one.lengths)
 
 

@@ -1,0 +1,5 @@
+import sys
+
+from pdjax.experiments.cli import main
+
+sys.exit(main())

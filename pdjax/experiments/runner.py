@@ -1,0 +1,57 @@
+"""Experiment configs and the runner.
+
+An experiment config is a TOML file with a top-level ``kind`` (which experiment), a
+``name`` (the run directory prefix) and kind-specific tables. ``run(path)`` loads it,
+validates it, runs the experiment into ``runs/<name>-<YYYYmmdd-HHMMSS>/`` and returns its
+summary dict; each experiment writes a ``report.md`` there.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tomllib
+from typing import Callable
+
+
+def _quickstart(cfg, out_dir):
+    from pdjax.experiments.quickstart import run_quickstart
+    return run_quickstart(cfg, out_dir)
+
+
+def _bubble_sweep(cfg, out_dir):
+    from pdjax.pipeline.sweep import run_bubble_sweep
+    return run_bubble_sweep(cfg, out_dir)
+
+
+EXPERIMENTS: dict[str, Callable[[dict, str], dict]] = {
+    "quickstart": _quickstart,
+    "bubble_sweep": _bubble_sweep,
+}
+
+
+def load_config(path: str) -> dict:
+    try:
+        with open(path, "rb") as f:
+            cfg = tomllib.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no experiment config at {path}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"malformed experiment config {path}: {e}") from None
+    kind = cfg.get("kind")
+    if kind not in EXPERIMENTS:
+        raise ValueError(f"{path}: 'kind' must be one of {sorted(EXPERIMENTS)}, got {kind!r}")
+    name = cfg.setdefault("name", kind)
+    if not isinstance(name, str) or not name or "/" in name:
+        raise ValueError(f"{path}: 'name' must be a non-empty string without '/', got {name!r}")
+    return cfg
+
+
+def run(path: str, runs_dir: str = "runs") -> tuple[str, dict]:
+    """Run the experiment at ``path``. Returns (run directory, summary)."""
+    cfg = load_config(path)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out_dir = os.path.join(runs_dir, f"{cfg['name']}-{stamp}")
+    os.makedirs(out_dir, exist_ok=True)
+    summary = EXPERIMENTS[cfg["kind"]](cfg, out_dir)
+    return out_dir, summary
