@@ -1,0 +1,80 @@
+"""Plots, text rendering, Chrome trace, notebook display, and the bubble sweep."""
+
+import csv
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+
+import pdjax.pipeline as pp
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def timeline():
+    return pp.simulate(pp.build("dualpipe", 4, 8), F=1.0, B=2.0, W=1.0, FB=2.5)
+
+
+def test_plot_png_and_svg(tmp_path, timeline):
+    png, svg = tmp_path / "g.png", tmp_path / "g.svg"
+    pp.plot(timeline, png)
+    pp.plot(pp.build("zb1p", 3, 6), svg, F=1.0, B=2.0, W=1.0)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert b"<svg" in svg.read_bytes()[:400]
+    with pytest.raises(ValueError, match="must end in"):
+        pp.plot(timeline, tmp_path / "g.txt")
+
+
+def test_text_rendering(timeline):
+    text = timeline.to_text(width=60)
+    lines = text.splitlines()
+    assert len(lines) == 1 + timeline.schedule.num_ranks
+    assert all(len(line.split("|")[1]) == 60 for line in lines[1:])
+    grid = timeline.schedule.to_text()
+    assert len(grid.splitlines()) == 1 + max(len(o) for o in timeline.schedule.ops)
+
+
+def test_chrome_trace(tmp_path, timeline):
+    path = tmp_path / "t.json"
+    trace = timeline.to_chrome_trace(path, time_scale_us=1.0)
+    loaded = json.loads(path.read_text())
+    spans = [e for e in loaded["traceEvents"] if e["ph"] == "X"]
+    assert len(spans) == timeline.schedule.num_ops
+    last = max(e["ts"] + e["dur"] for e in spans)
+    assert last == pytest.approx(timeline.makespan)
+    assert trace == loaded
+
+
+def test_notebook_display(timeline):
+    assert timeline._repr_png_()[:4] == b"\x89PNG"
+    assert "makespan" in timeline._repr_html_()
+    s = timeline.schedule
+    assert s._repr_png_()[:4] == b"\x89PNG"
+    assert "rank 0" in s._repr_html_()
+
+
+def test_bubble_sweep_config_runs(tmp_path):
+    cfg = tomllib.loads((ROOT / "experiments" / "bubble_sweep.toml").read_text())
+    assert cfg["sweep"]["num_stages"] == [4, 8, 16, 32]
+    small = {"sweep": dict(cfg["sweep"], num_stages=[4, 8], microbatch_multipliers=[1, 2]), "costs": cfg["costs"]}
+    out = pp.run_bubble_sweep(small, tmp_path)
+    rows = list(csv.DictReader(open(out["csv"])))
+    n_sched = len(cfg["sweep"]["schedules"])
+    assert len(rows) == out["rows"] == n_sched * 2 * 2
+    assert out["formula_mismatches"] == 0 and out["max_abs_error_where_applies"] == 0.0
+    assert Path(out["plot"]).read_bytes()[:4] == b"\x89PNG"
+    assert "bubble ratio at P=" in out["headline"]
+
+
+@pytest.mark.parametrize("bad,pattern", [
+    ({"sweep": {"schedules": ["nope"]}}, "unknown schedule name"),
+    ({"sweep": {"num_stages": [0]}}, "positive ints"),
+    ({"costs": {"F": -1}}, "costs.F"),
+    ({"costs": {"X": 1}}, "unknown costs keys"),
+    ({"sweep": {"bogus": 1}}, "unknown sweep keys"),
+])
+def test_bubble_sweep_bad_config(tmp_path, bad, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        pp.run_bubble_sweep(bad, tmp_path)

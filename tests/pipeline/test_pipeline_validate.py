@@ -1,0 +1,54 @@
+"""Validator: each broken rule is reported with its rank and op; deadlocks never hang."""
+
+import pytest
+
+import pdjax.pipeline as pp
+from pdjax.pipeline import B, F, I, Layout, Schedule, W
+
+
+def _chain(ops, m):
+    return Schedule("t", Layout.chain(range(len(ops)), m), tuple(tuple(o) for o in ops))
+
+
+def test_valid_hand_written():
+    _chain([[F(0, 0), I(0, 0), W(0, 0)], [F(1, 0), B(1, 0)]], 1).validate()
+
+
+@pytest.mark.parametrize("ops,m,pattern", [
+    ([[F(0, 0), B(0, 0)], [F(1, 0)]], 1, r"rank 1: stage 1 micro-batch 0 has no backward"),
+    ([[F(0, 0), B(0, 0)], [B(1, 0)]], 1, r"rank 1 op #0 1B0: backward .* before its forward 1F0"),
+    ([[F(0, 0), F(0, 0), B(0, 0)], [F(1, 0), B(1, 0)]], 1, r"rank 0 op #1 0F0: second forward"),
+    ([[F(0, 0), W(0, 0), I(0, 0)], [F(1, 0), B(1, 0)]], 1, r"rank 0 op #1 0W0: W comes before"),
+    ([[F(0, 0), B(0, 0), W(0, 0)], [F(1, 0), B(1, 0)]], 1, r"rank 0 op #2 0W0: .* full backward"),
+    ([[F(0, 0), I(0, 0)], [F(1, 0), B(1, 0)]], 1, r"rank 0: stage 0 micro-batch 0 has 0I0 but no 0W0"),
+    ([[F(1, 0), B(0, 0)], [F(1, 0), B(1, 0)]], 1, r"rank 0 op #0 1F0: stage 1 belongs to rank 1"),
+    ([[F(0, 0), B(0, 0), F(0, 1)], [F(1, 0), B(1, 0)]], 1, r"rank 0 op #2 0F1: micro-batch 1 is not"),
+    ([[F(0, 0), B(0, 0)], [F(5, 0)]], 1, r"rank 1 op #0 5F0: stage 5 does not exist"),
+    ([[F(0, 0)], [pp.FB(F(1, 0), B(1, 0))]], 1, r"rank 1 op #0 \(1F0;1B0\)OVERLAP_F_B: backward .* before"),
+])
+def test_broken_rules(ops, m, pattern):
+    with pytest.raises(pp.ScheduleError, match=pattern):
+        _chain(ops, m).validate()
+
+
+def test_cross_rank_deadlock_is_reported_not_hung():
+    # rank 1 runs 1F1 before 1B0, rank 0 runs 0B0 before 0F1: a cycle through the sends
+    ops = [[F(0, 0), B(0, 0), F(0, 1), B(0, 1)], [F(1, 0), F(1, 1), B(1, 0), B(1, 1)]]
+    with pytest.raises(pp.DeadlockError, match=r"deadlock.*rank 0 is stuck at op #1 0B0.*rank 1 is stuck at op #1 1F1"):
+        _chain(ops, 2).validate()
+
+
+def test_large_deadlock_is_fast():
+    s = pp.build("1f1b", 16, 64)
+    ops = [list(o) for o in s.ops]
+    # move rank 0's first backward to the front of rank 0's program: needs grads not yet produced
+    i = next(i for i, op in enumerate(ops[3]) if op.kind == "B")
+    ops[3].insert(0, ops[3].pop(i))
+    bad = Schedule("t", s.layout, tuple(map(tuple, ops)))
+    with pytest.raises(pp.ScheduleError, match=r"rank 3 op #0 3B0"):
+        bad.validate()
+
+
+def test_schedule_rejects_wrong_rank_count():
+    with pytest.raises(ValueError, match="rank programs"):
+        Schedule("t", Layout.chain([0, 1], 1), ((F(0, 0), B(0, 0)),))
