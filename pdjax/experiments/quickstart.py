@@ -1,7 +1,8 @@
 """The quick start: build a small model on the default backend, prefill and decode a batch
 of prompts, and report throughput and the latent KV cache against the MHA counterfactual.
 
-Later capabilities add their sections (``SECTIONS``) to the same report.
+Each capability adds a section to the same report: a function ``(config, out_dir) ->
+(markdown, data)`` in ``SECTIONS``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def _merged(cfg: dict) -> dict:
     return out
 
 
-def model_section(cfg: dict) -> tuple[str, dict]:
+def model_section(cfg: dict, out_dir: str) -> tuple[str, dict]:
     c = _merged(cfg)
     mcfg = pdjax.configs.preset(c["model"]["preset"])
     w = c["workload"]
@@ -120,13 +121,32 @@ def model_section(cfg: dict) -> tuple[str, dict]:
     return "\n".join(md), data
 
 
-SECTIONS = [model_section]
+def pipeline_section(cfg: dict, out_dir: str) -> tuple[str, dict]:
+    """DeepSeek's reference DualPipe example (8 ranks, 20 micro-batches) against 1F1B and ZB1P:
+    simulated bubbles next to the closed forms, and a Gantt chart of DualPipe."""
+    from pdjax import pipeline
+
+    P, m = 8, 20
+    costs = dict(F=1.0, B=2.0, W=1.0, FB=2.5)
+    rows = pipeline.compare(["1f1b", "zb1p", "dualpipe"], P, m, **costs)
+    timeline = pipeline.simulate(pipeline.build("dualpipe", num_ranks=P, num_microbatches=m), **costs)
+    png = os.path.join(out_dir, "dualpipe_8x20.png")
+    pipeline.plot(timeline, png)
+    md = ["## Pipeline schedules", f"P = {P} stages, m = {m} micro-batches, F=1, B=2 (I=1, W=1), F&B=2.5, "
+          "no comm latency. Simulated (ASAP list scheduling of the generated op order) vs formula:", "",
+          "```", pipeline.format_report(rows), "```", "", "DualPipe Gantt chart: ![dualpipe](dualpipe_8x20.png)"]
+    data = {r.schedule: {"sim_bubble": r.sim_bubble, "formula_bubble": r.formula_bubble,
+                         "bubble_ratio": r.bubble_ratio} for r in rows}
+    return "\n".join(md), data
+
+
+SECTIONS = [model_section, pipeline_section]
 
 
 def run_quickstart(cfg: dict, out_dir: str) -> dict:
     parts, summary = ["# pdjax quick start", ""], {}
     for section in SECTIONS:
-        md, data = section(cfg)
+        md, data = section(cfg, out_dir)
         parts += [md, ""]
         summary[section.__name__] = data
         print(md, "\n", flush=True)

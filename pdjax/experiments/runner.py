@@ -9,6 +9,7 @@ summary dict; each experiment writes a ``report.md`` there.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import tomllib
 from typing import Callable
@@ -21,7 +22,14 @@ def _quickstart(cfg, out_dir):
 
 def _bubble_sweep(cfg, out_dir):
     from pdjax.pipeline.sweep import run_bubble_sweep
-    return run_bubble_sweep(cfg, out_dir)
+    summary = run_bubble_sweep({k: cfg[k] for k in ("sweep", "costs") if k in cfg}, out_dir)
+    lines = ["# Pipeline bubble sweep", "", summary["headline"], "",
+             "Simulated vs closed-form bubble per schedule x P x m: bubble_sweep.csv; plot: "
+             "bubble_sweep.png.", "", "```", json.dumps(summary, indent=2, default=str), "```", ""]
+    with open(os.path.join(out_dir, "report.md"), "w") as f:
+        f.write("\n".join(lines))
+    print("\n".join(lines[:3]))
+    return summary
 
 
 EXPERIMENTS: dict[str, Callable[[dict, str], dict]] = {
