@@ -1,0 +1,55 @@
+"""The pdjax run runner: the quick start end to end on a small workload, and bad configs."""
+
+import json
+import os
+
+import pytest
+
+from pdjax.experiments import cli, runner
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+
+
+def test_quickstart_runs_and_writes_report(tmp_path):
+    src = open(os.path.join(ROOT, "experiments", "quickstart.toml")).read()
+    small = src.replace("batch = 4", "batch = 2").replace("prompt_len = 32", "prompt_len = 8") \
+               .replace("max_new_tokens = 16", "max_new_tokens = 4")
+    cfg = tmp_path / "q.toml"
+    cfg.write_text(small)
+    out_dir, summary = runner.run(str(cfg), runs_dir=str(tmp_path / "runs"))
+    report = open(os.path.join(out_dir, "report.md")).read()
+    assert "## Model: prefill and decode" in report and "## Pipeline schedules" in report
+    m = summary["model_section"]
+    assert m["generate_agrees"] is True
+    assert m["kv_bytes_per_token_mla"] == 3 * (32 + 8) * 4       # tiny: 3 layers x (C + R) x f32
+    assert os.path.exists(os.path.join(out_dir, "dualpipe_8x20.png"))
+    assert json.load(open(os.path.join(out_dir, "summary.json")))["pipeline_section"]["dualpipe"]
+
+
+def test_bubble_sweep_through_the_cli(tmp_path, capsys):
+    cfg = tmp_path / "s.toml"
+    cfg.write_text('kind = "bubble_sweep"\nname = "s"\n[sweep]\nschedules = ["1f1b", "dualpipe"]\n'
+                   'num_stages = [4]\nmicrobatch_multipliers = [2]\n')
+    assert cli.main(["run", str(cfg), "--runs-dir", str(tmp_path / "runs")]) == 0
+    assert "bubble ratio" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text, match", [
+    ('kind = "nope"', "kind"),
+    ('kind = "quickstart"\nname = "a/b"', "name"),
+    ('kind = "quickstart"\n[workload]\nbatch = 0', "batch"),
+    ('kind = "quickstart"\n[workload]\nbatchsize = 2', "unknown keys"),
+    ('kind = = 1', "malformed"),
+])
+def test_bad_configs(tmp_path, text, match):
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        runner.run(str(cfg), runs_dir=str(tmp_path / "runs"))
+
+
+def test_cli_reports_bad_config_without_traceback(tmp_path, capsys):
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text('kind = "nope"')
+    assert cli.main(["run", str(cfg)]) == 2
+    assert "kind" in capsys.readouterr().err
