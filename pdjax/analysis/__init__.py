@@ -1,0 +1,52 @@
+"""Deployment arithmetic from a ModelConfig and a hardware description (pure Python).
+
+    hw = pdjax.analysis.hardware("h100-sxm")          # also h800, h200, a100, mi300x, gb200, ascend-910c
+    pdjax.analysis.machine_balance(hw, dtype="bf16")  # FLOP per byte
+    pdjax.analysis.kv_bytes_per_token(cfg, dtype_bytes=2, attention="mla")  # or mha, gqa, mqa
+    pdjax.analysis.bubble_ratio_1f1b(num_stages, num_microbatches)
+    pdjax.analysis.report(cfg, hw)                    # the whole sheet, printed and returned
+
+Modules: ``units`` (GB vs GiB), ``hardware`` (presets, registry), ``params`` (total and
+active parameter counts), ``roofline`` (intensity, machine balance), ``kv`` (KV bytes,
+C_max, handoff), ``moe`` (k/E bound, EP weight bytes), ``afd`` (ping-pong bound, speedup),
+``bubbles`` (1F1B), ``published`` (deployment facts used as inputs), ``report``.
+See docs/analysis.md for the formulas and the assumptions behind the brief's figures.
+"""
+
+from pdjax.analysis.afd import (afd_min_microbatches, afd_min_microbatches_int, afd_speedup,
+                                attention_share, dbo_hides_ffn)
+from pdjax.analysis.bubbles import bubble_ratio_1f1b, bubble_table, microbatches_for_bubble
+from pdjax.analysis.hardware import (FIGURES, PRESET_NAMES, HardwareSpec, dtype_bytes,
+                                     hardware, hardware_names, register_hardware,
+                                     unregister_hardware)
+from pdjax.analysis.kv import (ATTENTION_KINDS, concurrency_bound, concurrency_bound_both_units,
+                               free_memory_bytes, handoff_to_prefill_ratio, kv_bytes_per_sequence,
+                               kv_bytes_per_token, kv_elements_per_token, kv_handoff_time,
+                               link_bw_for_handoff_ratio, prefill_compute_time)
+from pdjax.analysis.moe import (decode_batch_for_context, ep_weight_bytes_per_gpu,
+                                expert_balance_batch, moe_mfu_bound, tokens_per_expert,
+                                tokens_per_expert_at_balance)
+from pdjax.analysis.params import ParamCounts, param_counts
+from pdjax.analysis.published import (DEEPSEEK_V3_SERVING, FASTAFD_EXAMPLE,
+                                      MEGASCALE_INFER_EXAMPLE, QWEN3_GB200_COLOCATED)
+from pdjax.analysis.report import Report, describe, quickstart_section, report
+from pdjax.analysis.roofline import (attention_flops_per_token, attention_intensity,
+                                     compute_bound_batch, decode_utilisation_bound,
+                                     machine_balance, utilisation_bound, weight_intensity)
+from pdjax.analysis.units import GB, GiB, KiB, MiB, from_bytes, to_bytes, unit_bytes
+
+__all__ = [
+    "ATTENTION_KINDS", "DEEPSEEK_V3_SERVING", "FASTAFD_EXAMPLE", "FIGURES", "GB", "GiB",
+    "HardwareSpec", "KiB", "MEGASCALE_INFER_EXAMPLE", "MiB", "PRESET_NAMES", "ParamCounts",
+    "QWEN3_GB200_COLOCATED", "Report", "afd_min_microbatches", "afd_min_microbatches_int",
+    "afd_speedup", "attention_flops_per_token", "attention_intensity", "attention_share",
+    "bubble_ratio_1f1b", "bubble_table", "compute_bound_batch", "concurrency_bound",
+    "concurrency_bound_both_units", "dbo_hides_ffn", "decode_batch_for_context",
+    "decode_utilisation_bound", "describe", "dtype_bytes", "ep_weight_bytes_per_gpu",
+    "expert_balance_batch", "free_memory_bytes", "from_bytes", "handoff_to_prefill_ratio",
+    "hardware", "hardware_names", "kv_bytes_per_sequence", "kv_bytes_per_token",
+    "kv_elements_per_token", "kv_handoff_time", "link_bw_for_handoff_ratio", "machine_balance",
+    "microbatches_for_bubble", "moe_mfu_bound", "param_counts", "prefill_compute_time",
+    "quickstart_section", "register_hardware", "report", "to_bytes", "tokens_per_expert",
+    "tokens_per_expert_at_balance", "unit_bytes", "unregister_hardware", "utilisation_bound", "weight_intensity",
+]

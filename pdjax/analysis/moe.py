@@ -1,0 +1,85 @@
+"""MoE sparsity arithmetic: the MFU bound k/E, tokens per expert, and EP weight bytes.
+
+Top-k routing over E experts splits a batch of B tokens so each expert sees B * k / E on
+average. At the balance batch B* (the batch at which a dense layer just reaches A*), an
+expert's GEMM therefore runs at intensity (k/E) * A*, and its compute utilisation is at
+most k / E (MegaScale-Infer's example: 8 experts, top-2 -> 25 %; 156 * 2 / 8 = 39 tokens
+per expert on A100). Every expert reaches the balance point only at B* * E / k tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from pdjax.analysis.hardware import HardwareLike
+from pdjax.analysis.params import param_counts
+from pdjax.analysis.roofline import compute_bound_batch
+from pdjax.analysis.units import check_positive, check_positive_int
+from pdjax.config import ModelConfig
+
+EP_LAYOUTS = ("even", "replicated")
+
+
+def _require_moe(cfg: ModelConfig) -> None:
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError(f"expected a ModelConfig, got {type(cfg).__name__}")
+    if cfg.n_routed_experts <= 0:
+        raise ValueError("config has no routed experts (n_routed_experts=0): no MoE bound")
+
+
+def moe_mfu_bound(cfg: ModelConfig) -> float:
+    """Upper bound on routed-expert MFU at the balance batch: num_experts_per_tok /
+    n_routed_experts (8 experts top-2: 0.25; DeepSeek-V3: 8/256 = 0.031)."""
+    _require_moe(cfg)
+    return cfg.num_experts_per_tok / cfg.n_routed_experts
+
+
+def tokens_per_expert(cfg: ModelConfig, batch_tokens: float) -> float:
+    """Mean tokens each routed expert receives from a batch: B * k / E."""
+    check_positive("batch_tokens", batch_tokens)
+    return batch_tokens * moe_mfu_bound(cfg)
+
+
+def tokens_per_expert_at_balance(cfg: ModelConfig, hw: HardwareLike, dtype: str = "bf16",
+                                 weight_dtype_bytes: Optional[float] = None) -> float:
+    """Tokens per expert when the batch is the dense balance batch of ``hw``:
+    B* * k / E (A100, 8 experts top-2: 156 * 2 / 8 = 39 with the 2 TB/s rounding)."""
+    return tokens_per_expert(cfg, compute_bound_batch(hw, dtype, weight_dtype_bytes))
+
+
+def expert_balance_batch(cfg: ModelConfig, hw: HardwareLike, dtype: str = "bf16",
+                         weight_dtype_bytes: Optional[float] = None) -> float:
+    """Tokens per forward (over the whole EP group) for the mean expert to reach the
+    balance point: B* * E / k."""
+    return compute_bound_batch(hw, dtype, weight_dtype_bytes) / moe_mfu_bound(cfg)
+
+
+def ep_weight_bytes_per_gpu(cfg: ModelConfig, ep_size: int, dtype_bytes: float = 1,
+                            layout: str = "even", mtp_layers: int = 0) -> float:
+    """Weight bytes each of ``ep_size`` expert-parallel ranks holds (``dtype_bytes`` per
+    parameter, fp8 = 1).
+
+    ``layout="even"``: the whole model split evenly, total * p / EP: the brief's
+    671 GB / 144 = 4.7 GB. ``layout="replicated"``: routed experts split over EP, everything
+    else (attention, shared experts, dense layers, embeddings: data-parallel in DeepSeek's
+    decode deployment) replicated on every rank: routed * p / EP + non_routed * p
+    (DeepSeek-V3 fp8 EP144: ~21.7 GB). Redundant experts (EPLB) are not counted.
+    """
+    ep_size = check_positive_int("ep_size", ep_size)
+    check_positive("dtype_bytes", dtype_bytes)
+    if layout not in EP_LAYOUTS:
+        raise ValueError(f"unknown EP layout {layout!r}; known: {EP_LAYOUTS}")
+    counts = param_counts(cfg, mtp_layers=mtp_layers)
+    total = counts.total + counts.mtp
+    if layout == "even":
+        return total * dtype_bytes / ep_size
+    return (counts.routed_experts / ep_size + (total - counts.routed_experts)) * dtype_bytes
+
+
+def decode_batch_for_context(kv_token_capacity: float, context_len: float) -> float:
+    """Sequences of ``context_len`` tokens that fit a KV capacity of ``kv_token_capacity``
+    tokens: B = capacity / S, so B ∝ 1/S (Qwen3-235B on GB200, 808,704 tokens per rank:
+    395 at 2K, 197 at 4K, 6 at 128K)."""
+    check_positive("kv_token_capacity", kv_token_capacity)
+    check_positive("context_len", context_len)
+    return kv_token_capacity / context_len

@@ -1,0 +1,223 @@
+"""The analysis sheet: every roofline / KV / MoE / pipeline quantity of (config, hardware),
+returned as data and printed readably; plus a short markdown section for reports.
+
+Keys carry their unit as a suffix: ``_B`` bytes, ``_GB`` 1e9 bytes, ``_GiB`` 2**30 bytes,
+``_s`` seconds, ``_B_per_s`` bytes/s, ``_flop_per_B`` FLOP per byte; fractions are in
+[0, 1] and unit-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+from pdjax.analysis import afd, bubbles, kv, moe, roofline
+from pdjax.analysis.hardware import HardwareLike, hardware
+from pdjax.analysis.params import param_counts
+from pdjax.analysis.units import (GB, GiB, check_nonnegative, check_positive_int, format_bytes,
+                                  format_count)
+from pdjax.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """The whole sheet; each section is a flat dict of unit-suffixed keys."""
+
+    model: str
+    hardware: str
+    params: dict
+    roofline: dict
+    attention: dict
+    memory: dict
+    handoff: dict
+    moe: dict
+    pipeline: dict
+    afd: dict
+
+    SECTIONS = ("params", "roofline", "attention", "memory", "handoff", "moe", "pipeline", "afd")
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        lines = [f"pdjax analysis: {self.model} on {self.hardware}"]
+        for name in self.SECTIONS:
+            lines.append(f"[{name}]")
+            for key, value in getattr(self, name).items():
+                lines.append(f"  {key:<40} {_fmt(value)}")
+        return "\n".join(lines)
+
+
+def _fmt(value) -> str:
+    if isinstance(value, dict):
+        return ", ".join(f"{k}: {_fmt(v)}" for k, v in value.items())
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if abs(value) >= 1e6 or (value and abs(value) < 1e-3):
+        return f"{value:.4g}"
+    return f"{value:,.4g}"
+
+
+def describe(cfg: ModelConfig) -> str:
+    """A one-line name of a config (ModelConfig carries no name)."""
+    counts = param_counts(cfg)
+    return (f"{cfg.model_type} ({format_count(counts.total)} total, {format_count(counts.active)} active, "
+            f"{cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts top-{cfg.num_experts_per_tok})")
+
+
+def _optional(fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except ValueError:
+        return None  # a figure the hardware does not publish
+
+
+def report(cfg: ModelConfig, hw: HardwareLike, *, context_len: int = 4096,
+           handoff_context_len: int = 32768, compute_dtype: str = "bf16",
+           weight_dtype_bytes: float = 2, kv_dtype_bytes: float = 2, ep_size: int = 1,
+           ep_layout: str = "even", act_bytes: float = 0.0, link: str = "scale_out",
+           num_kv_groups: Optional[int] = None, pipeline_stages: int = 16,
+           microbatches: Sequence[int] = (16, 32, 64, 128, 256), bubble_target: float = 0.1,
+           verbose: bool = True) -> Report:
+    """Compute the analysis sheet of ``cfg`` on ``hw`` and (``verbose``) print it.
+
+    ``context_len`` S for the concurrency bound; ``handoff_context_len`` for the P->D KV
+    transfer; weights held as ``weight_dtype_bytes`` per param split over ``ep_size``
+    ranks with ``ep_layout`` ("even" or "replicated", see ``ep_weight_bytes_per_gpu``);
+    ``act_bytes`` reserved for activations; ``link`` the handoff link ("scale_out" or
+    "scale_up"); ``num_kv_groups`` adds a GQA row. Figures the hardware lacks are None,
+    except the ones every row needs (bf16 peak, HBM bytes and bandwidth): ValueError."""
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError(f"report expects a ModelConfig, got {type(cfg).__name__}")
+    hw = hardware(hw)
+    check_positive_int("context_len", context_len)
+    check_nonnegative("act_bytes", act_bytes)
+    hbm = hw.require("hbm_bytes", "the memory sheet")
+    counts = param_counts(cfg)
+    p_w = weight_dtype_bytes
+
+    roof = {
+        "compute_dtype": compute_dtype,
+        "weight_intensity_B1_flop_per_B": roofline.weight_intensity(1, p_w),
+        "machine_balance_bf16_flop_per_B": roofline.machine_balance(hw, "bf16"),
+        "machine_balance_fp8_flop_per_B": _optional(roofline.machine_balance, hw, "fp8"),
+        "decode_utilisation_bound_B1": roofline.decode_utilisation_bound(
+            hw, 1, compute_dtype, weight_dtype_bytes=p_w),
+        "compute_bound_batch": roofline.compute_bound_batch(hw, compute_dtype, p_w),
+    }
+
+    kinds = [("mla", None), ("mha", None), ("mqa", None)]
+    if num_kv_groups is not None:
+        kinds.insert(2, ("gqa", num_kv_groups))
+    mla_kv = kv.kv_bytes_per_token(cfg, kv_dtype_bytes, "mla")
+    attention = {}
+    for kind, groups in kinds:
+        name = kind if groups is None else f"gqa{groups}"
+        per_tok = kv.kv_bytes_per_token(cfg, kv_dtype_bytes, kind, groups)
+        attention[f"{name}_kv_per_token_B"] = per_tok
+        attention[f"{name}_intensity_flop_per_B"] = roofline.attention_intensity(
+            cfg, kind, kv_dtype_bytes, groups)
+    mha_kv = attention["mha_kv_per_token_B"]
+    attention["mha_over_mla_kv_ratio"] = mha_kv / mla_kv
+    attention["kv_dtype_bytes"] = kv_dtype_bytes
+
+    weights = moe.ep_weight_bytes_per_gpu(cfg, ep_size, p_w, ep_layout) if cfg.n_routed_experts \
+        else counts.total * p_w / check_positive_int("ep_size", ep_size)
+    free = hbm - weights - act_bytes
+    fits = free > 0
+    free_b = max(free, 0.0)
+    memory = {
+        "hbm_GB": hbm / GB,
+        "weights_per_gpu_GB": weights / GB,
+        "ep_size": ep_size,
+        "ep_layout": ep_layout,
+        "act_reserved_GB": act_bytes / GB,
+        "weights_fit": fits,
+        "free_GB": free_b / GB,
+        "free_GiB": free_b / GiB,
+        "context_len": context_len,
+        "mla_kv_per_sequence_GB": context_len * mla_kv / GB,
+        "mha_kv_per_sequence_GB": context_len * mha_kv / GB,
+        "c_max_mla": free_b / (context_len * mla_kv),
+        "c_max_mha": free_b / (context_len * mha_kv),
+    }
+
+    bw = _optional(hw.link_bw, link)
+    peak = hw.peak_flops(compute_dtype)
+    handoff = {"link": link, "link_bw_B_per_s": bw, "context_len": handoff_context_len}
+    if bw is not None:
+        handoff["mla_time_s"] = kv.kv_handoff_time(handoff_context_len, mla_kv, bw)
+        handoff["mha_time_s"] = kv.kv_handoff_time(handoff_context_len, mha_kv, bw)
+        handoff["mla_ratio_to_prefill"] = kv.handoff_to_prefill_ratio(mla_kv, counts.active, peak, bw)
+    handoff["prefill_compute_s"] = kv.prefill_compute_time(handoff_context_len, counts.active, peak)
+    handoff["link_bw_for_50pct_B_per_s"] = kv.link_bw_for_handoff_ratio(0.5, mla_kv, counts.active, peak)
+
+    moe_sheet = {}
+    if cfg.n_routed_experts:
+        moe_sheet = {
+            "mfu_bound_k_over_E": moe.moe_mfu_bound(cfg),
+            "tokens_per_expert_at_balance": moe.tokens_per_expert_at_balance(cfg, hw, compute_dtype, p_w),
+            "expert_balance_batch": moe.expert_balance_batch(cfg, hw, compute_dtype, p_w),
+        }
+
+    table = bubbles.bubble_table(pipeline_stages, microbatches)
+    pipeline = {"stages": pipeline_stages,
+                "bubble_1f1b": {m: round(r, 4) for m, r in table.items()},
+                f"microbatches_for_bubble_below_{bubble_target:g}":
+                    bubbles.microbatches_for_bubble(pipeline_stages, bubble_target)}
+
+    afd_sheet = {"min_microbatches_Tc_half_Tf": afd.afd_min_microbatches(0.5, 1.0),
+                 "min_microbatches_Tc_eq_Tf": afd.afd_min_microbatches(1.0, 1.0)}
+
+    params = {"total": counts.total, "active": counts.active,
+              "active_with_embedding": counts.active_with_embedding,
+              "routed_experts": counts.routed_experts, "non_routed": counts.non_routed,
+              "weights_total_GB": counts.total * p_w / GB, "weight_dtype_bytes": p_w}
+
+    out = Report(model=describe(cfg), hardware=hw.name, params=params, roofline=roof,
+                 attention=attention, memory=memory, handoff=handoff, moe=moe_sheet,
+                 pipeline=pipeline, afd=afd_sheet)
+    if verbose:
+        print(out)
+    return out
+
+
+def _bytes_label(n: float) -> str:
+    label = format_bytes(n)
+    return f"{n:,.0f} B" + ("" if label.endswith(" B") else f" ({label})")
+
+
+def quickstart_section(cfg: ModelConfig, hw: HardwareLike, *, context_len: int = 4096,
+                       kv_dtype_bytes: float = 2, weight_dtype_bytes: float = 2,
+                       ep_size: int = 1, compute_dtype: str = "bf16") -> str:
+    """A few lines of markdown for the quick-start report: KV bytes per token MLA vs MHA,
+    machine balance, and C_max (decimal bytes) at ``context_len``."""
+    sheet = report(cfg, hw, context_len=context_len, kv_dtype_bytes=kv_dtype_bytes,
+                   weight_dtype_bytes=weight_dtype_bytes, ep_size=ep_size, verbose=False,
+                   compute_dtype=compute_dtype)
+    a, r, m = sheet.attention, sheet.roofline, sheet.memory
+    mla, mha = a["mla_kv_per_token_B"], a["mha_kv_per_token_B"]
+    dtype = {2: "bf16", 1: "fp8"}.get(kv_dtype_bytes, f"{kv_dtype_bytes} B/elem")
+    lines = [
+        f"### Roofline and KV accounting ({sheet.hardware})",
+        "",
+        f"Model: {sheet.model}.",
+        "",
+        f"- KV cache per token ({dtype}): MLA {_bytes_label(mla)} vs MHA counterfactual "
+        f"{_bytes_label(mha)}: {a['mha_over_mla_kv_ratio']:.1f}x smaller.",
+        f"- Machine balance A* = peak / HBM bandwidth: {r['machine_balance_bf16_flop_per_B']:.0f} FLOP/B "
+        f"(bf16), {r['machine_balance_fp8_flop_per_B'] or float('nan'):.0f} (fp8). With {compute_dtype} compute and "
+        f"{weight_dtype_bytes:g}-byte weights, decode at B = 1 uses at most {100 * r['decode_utilisation_bound_B1']:.2f} % of peak "
+        f"and needs ~{r['compute_bound_batch']:.0f} concurrent sequences to be compute-bound.",
+    ]
+    if m["weights_fit"]:
+        lines.append(
+            f"- C_max at S = {context_len:,} ({m['free_GB']:.1f} GB free after "
+            f"{format_bytes(m['weights_per_gpu_GB'] * GB, binary=False)} of weights per device, EP{ep_size}, decimal units): "
+            f"MLA {m['c_max_mla']:,.1f} vs MHA {m['c_max_mha']:,.2f} sequences per device.")
+    else:
+        lines.append(f"- C_max: the weights ({m['weights_per_gpu_GB']:.1f} GB per device at EP{ep_size}) "
+                     f"do not fit in {m['hbm_GB']:.0f} GB; raise ep_size.")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,250 @@
+"""Hardware registry, parameter counts, the report, and bad input."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pdjax
+from pdjax import analysis as A
+from pdjax.analysis.units import GB, GiB, TB
+
+CONTRACT_NAMES = ("h100-sxm", "h800", "h200", "a100", "mi300x", "gb200", "ascend-910c")
+
+
+# ---- hardware presets and registry ---------------------------------------------------
+
+@pytest.mark.parametrize("name", CONTRACT_NAMES)
+def test_presets_have_sourced_figures(name):
+    spec = A.hardware(name)
+    assert isinstance(spec, A.HardwareSpec)
+    for field in A.FIGURES:
+        assert spec.source(field), f"{name}.{field} has no source note"
+    for field in ("peak_bf16_flops", "hbm_bytes", "hbm_bw", "scale_up_bw", "scale_out_bw"):
+        assert getattr(spec, field) > 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.hbm_bw = 1.0
+
+
+def test_lookup_is_forgiving_about_spelling():
+    assert A.hardware("H100 SXM") is A.hardware("h100-sxm") is A.hardware("h100")
+    assert A.hardware("Ascend_910C") is A.hardware("910c")
+    spec = A.hardware("h200")
+    assert A.hardware(spec) is spec
+    assert set(CONTRACT_NAMES) <= set(A.hardware_names())
+
+
+def test_unknown_hardware():
+    with pytest.raises(ValueError, match="unknown hardware 'tpu-v9'"):
+        A.hardware("tpu-v9")
+
+
+@pytest.mark.parametrize("name", ["a100", "ascend-910c"])
+def test_missing_figure_names_hardware_and_field(name):
+    assert A.hardware(name).peak_fp8_flops is None
+    with pytest.raises(ValueError, match=rf"'{name}'.*peak_fp8_flops"):
+        A.machine_balance(name, dtype="fp8")
+
+
+def test_missing_link_figure():
+    spec = A.HardwareSpec("lab-card", peak_bf16_flops=100e12, hbm_bytes=16 * GB, hbm_bw=1 * TB)
+    assert A.machine_balance(spec) == pytest.approx(100)
+    with pytest.raises(ValueError, match="'lab-card'.*scale_out_bw"):
+        spec.link_bw("scale_out")
+    report = A.report(pdjax.configs.tiny(), spec, verbose=False)
+    assert report.handoff["link_bw_B_per_s"] is None
+    assert report.roofline["machine_balance_fp8_flop_per_B"] is None
+
+
+def test_register_custom_hardware():
+    spec = A.HardwareSpec("my-npu", peak_bf16_flops=400e12, peak_fp8_flops=800e12,
+                          hbm_bytes=64 * GB, hbm_bw=2 * TB, scale_up_bw=100 * GB,
+                          scale_out_bw=25 * GB,
+                          sources={"hbm_bw": "vendor sheet rev 2"})
+    try:
+        A.register_hardware(spec)
+        assert A.hardware("My NPU") is spec
+        assert A.hardware("my-npu").source("hbm_bw") == "vendor sheet rev 2"
+        assert A.machine_balance("my-npu", "fp8") == pytest.approx(400)
+        with pytest.raises(ValueError, match="already registered"):
+            A.register_hardware(spec)
+        faster = spec.replace(hbm_bw=4 * TB)
+        A.register_hardware(faster, overwrite=True)
+        assert A.machine_balance("my-npu") == pytest.approx(100)
+    finally:
+        A.unregister_hardware("my-npu")
+    assert "my-npu" not in A.hardware_names()
+    with pytest.raises(ValueError, match="preset"):
+        A.unregister_hardware("h100")
+    with pytest.raises(TypeError):
+        A.register_hardware({"name": "dict"})
+
+
+@pytest.mark.parametrize("field, value", [("hbm_bw", -1.0), ("peak_bf16_flops", 0),
+                                          ("scale_out_bw", float("nan")), ("hbm_bytes", "80GB")])
+def test_bad_hardware_figure(field, value):
+    with pytest.raises(ValueError, match=f"'bad'.*{field}"):
+        A.HardwareSpec("bad", **{field: value})
+
+
+def test_unknown_dtype():
+    with pytest.raises(ValueError, match="unknown compute dtype 'int4'"):
+        A.machine_balance("h100", dtype="int4")
+    assert A.machine_balance("h100", "bfloat16") == A.machine_balance("h100", "bf16")
+
+
+# ---- parameter counts ----------------------------------------------------------------
+
+@pytest.mark.parametrize("preset", ["tiny", "small", "deepseek_v2_lite", "deepseek_v2", "deepseek_v3"])
+def test_param_counts_match_the_model_tree(preset):
+    cfg = pdjax.configs.preset(preset)
+    shapes = jax.eval_shape(lambda: pdjax.init_params(cfg, jax.random.key(0)))
+    n = sum(int(np.prod(leaf.shape)) for leaf in jax.tree_util.tree_leaves(shapes))
+    assert A.param_counts(cfg).total == n
+
+
+@pytest.mark.parametrize("preset, total_b, active_b, decimals", [
+    ("deepseek_v3", 671, 37, 0), ("deepseek_v2", 236, 21, 0)])
+def test_param_counts_reproduce_published_totals(preset, total_b, active_b, decimals):
+    counts = A.param_counts(pdjax.configs.preset(preset))
+    assert round(counts.total / 1e9, decimals) == total_b
+    assert round(counts.active / 1e9, decimals) == active_b
+    # counting the input-embedding lookup as active breaks V3's 37B (37.55 -> 38)
+    assert counts.active_with_embedding - counts.active == counts.embedding
+
+
+def test_param_counts_v2_lite():
+    counts = A.param_counts(pdjax.configs.deepseek_v2_lite())
+    assert round(counts.total / 1e9, 1) == 15.7
+    # 2.451e9: the model card's "2.4B" is truncated (2.45 rounds to 2.5); counting the
+    # embedding too (2.66e9) or neither embedding nor head (2.24e9) is further away.
+    assert int(counts.active / 1e8) / 10 == 2.4
+    assert abs(counts.active / 1e9 - 2.4) < abs(counts.active_with_embedding / 1e9 - 2.4)
+    assert abs(counts.active / 1e9 - 2.4) < abs((counts.active - counts.lm_head) / 1e9 - 2.4)
+
+
+def test_mtp_module_count():
+    v3 = A.param_counts(pdjax.configs.deepseek_v3(), mtp_layers=1)
+    # DeepSeek: "685B = 671B main model + 14B MTP"; this count gives 684.5B / 13.5B.
+    assert abs(v3.checkpoint_total / 1e9 - 685) < 1
+    assert abs((v3.checkpoint_total - v3.total) / 1e9 - 14) < 1
+    assert A.param_counts(pdjax.configs.deepseek_v3()).mtp == 0
+    with pytest.raises(ValueError, match="mtp_layers"):
+        A.param_counts(pdjax.configs.deepseek_v3(), mtp_layers=-1)
+
+
+def test_ep_layouts():
+    v3 = pdjax.configs.deepseek_v3()
+    counts = A.param_counts(v3)
+    even = A.ep_weight_bytes_per_gpu(v3, 144, 1, layout="even")
+    replicated = A.ep_weight_bytes_per_gpu(v3, 144, 1, layout="replicated")
+    assert even == pytest.approx(counts.total / 144)
+    assert replicated == pytest.approx(counts.routed_experts / 144 + counts.non_routed)
+    assert replicated > even
+    assert A.ep_weight_bytes_per_gpu(v3, 1, 1, "replicated") == pytest.approx(counts.total)
+
+
+# ---- bad input -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("call, match", [
+    (lambda c: A.kv_bytes_per_token(c, 2, "linear"), "unknown attention kind 'linear'"),
+    (lambda c: A.kv_bytes_per_token(c, 2, "gqa"), "num_kv_groups"),
+    (lambda c: A.kv_bytes_per_token(c, 2, "gqa", num_kv_groups=3), "num_kv_groups=3 must divide"),
+    (lambda c: A.kv_bytes_per_token(c, 2, "mha", num_kv_groups=8), "only meaningful"),
+    (lambda c: A.kv_bytes_per_token(c, -2, "mla"), "dtype_bytes"),
+    (lambda c: A.concurrency_bound(-1, 4096, 70272, unit="GB"), "free_memory"),
+    (lambda c: A.concurrency_bound(75, 4096, 70272, unit="gb"), "unknown size unit 'gb'"),
+    (lambda c: A.concurrency_bound(75, 0, 70272, unit="GB"), "context_len"),
+    (lambda c: A.concurrency_bound(75, 4096, -5, unit="GB"), "kv_bytes_per_token"),
+    (lambda c: A.free_memory_bytes(80 * GB, 90 * GB), "do not fit"),
+    (lambda c: A.free_memory_bytes(80 * GB, 4 * GB, act_bytes=-1), "act_bytes"),
+    (lambda c: A.kv_handoff_time(32768, 70272, -50 * GB), "link_bw"),
+    (lambda c: A.handoff_to_prefill_ratio(70272, 37e9, 989e12, 0), "link_bw"),
+    (lambda c: A.prefill_compute_time(4096, -1, 989e12), "active_params"),
+    (lambda c: A.weight_intensity(-1), "batch_tokens"),
+    (lambda c: A.ep_weight_bytes_per_gpu(c, 0), "ep_size"),
+    (lambda c: A.ep_weight_bytes_per_gpu(c, 8, layout="striped"), "unknown EP layout"),
+    (lambda c: A.moe_mfu_bound(c.replace(n_routed_experts=0, first_k_dense_replace=0)), "no routed"),
+    (lambda c: A.tokens_per_expert(c, -3), "batch_tokens"),
+    (lambda c: A.bubble_ratio_1f1b(0, 16), "num_stages"),
+    (lambda c: A.bubble_ratio_1f1b(16, 2.5), "num_microbatches"),
+    (lambda c: A.microbatches_for_bubble(16, 1.5), "target_ratio"),
+    (lambda c: A.afd_min_microbatches(2.0, 1.0), "cannot hide"),
+    (lambda c: A.afd_min_microbatches(-1.0, 1.0), "comm_time"),
+    (lambda c: A.afd_speedup(1.5, 1.15, 1.2), "attention_share"),
+    (lambda c: A.afd_speedup(-1.5, 1.15, 0.8), "batch_gain"),
+    (lambda c: A.attention_share(0, 16), "num_attention"),
+    (lambda c: A.decode_batch_for_context(808704, -2048), "context_len"),
+    (lambda c: A.report(c, "h800", context_len=-1, verbose=False), "context_len"),
+    (lambda c: A.report(c, "nonesuch", verbose=False), "unknown hardware"),
+])
+def test_bad_input_raises_value_error(call, match):
+    with pytest.raises(ValueError, match=match):
+        call(pdjax.configs.deepseek_v3())
+
+
+# ---- properties ----------------------------------------------------------------------
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 64), st.integers(1, 2048))
+def test_bubble_ratio_properties(stages, m):
+    rho = A.bubble_ratio_1f1b(stages, m)
+    assert 0 <= rho < 1
+    assert A.bubble_ratio_1f1b(stages, m + 1) <= rho
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 64), st.sampled_from([0.5, 0.25, 0.2, 0.1, 0.05, 0.01]))
+def test_microbatches_for_bubble_is_minimal(stages, target):
+    m = A.microbatches_for_bubble(stages, target)
+    assert A.bubble_ratio_1f1b(stages, m) < target
+    assert m == 1 or A.bubble_ratio_1f1b(stages, m - 1) >= target - 1e-15
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from([1, 2, 4, 8, 16, 32, 64, 128]))
+def test_kv_order_and_intensity_duality(groups):
+    v3 = pdjax.configs.deepseek_v3()
+    mha, mqa = A.kv_bytes_per_token(v3, 2, "mha"), A.kv_bytes_per_token(v3, 2, "mqa")
+    gqa = A.kv_bytes_per_token(v3, 2, "gqa", num_kv_groups=groups)
+    assert mqa <= gqa <= mha
+    # same FLOPs for every kind: intensity is inversely proportional to KV bytes
+    assert A.attention_intensity(v3, "gqa", 2, groups) * gqa == pytest.approx(
+        A.attention_intensity(v3, "mha", 2) * mha)
+
+
+# ---- report and quick-start section --------------------------------------------------
+
+def test_report_returns_data_and_prints(capsys):
+    v3 = pdjax.configs.deepseek_v3()
+    sheet = A.report(v3, "h800", context_len=4989, ep_size=144, weight_dtype_bytes=1,
+                     num_kv_groups=8)
+    printed = capsys.readouterr().out
+    assert "machine_balance_bf16_flop_per_B" in printed and "c_max_mla" in printed
+    d = sheet.as_dict()
+    assert set(A.Report.SECTIONS) <= set(d)
+    assert d["attention"]["mla_kv_per_token_B"] == 70272
+    assert "gqa8_kv_per_token_B" in d["attention"]
+    assert d["memory"]["free_GiB"] == pytest.approx(d["memory"]["free_GB"] * GB / GiB)
+    assert round(d["memory"]["c_max_mla"]) == 215  # 75.34 GB free: the brief floors to 75 -> 214
+    assert d["pipeline"]["microbatches_for_bubble_below_0.1"] == 136
+    assert str(sheet).count("\n") > 30
+
+
+def test_report_when_weights_do_not_fit():
+    sheet = A.report(pdjax.configs.deepseek_v3(), "h100", ep_size=1, verbose=False)
+    assert sheet.memory["weights_fit"] is False
+    assert sheet.memory["c_max_mla"] == 0
+    assert "do not fit" in A.quickstart_section(pdjax.configs.deepseek_v3(), "h100")
+
+
+def test_quickstart_section():
+    text = A.quickstart_section(pdjax.configs.deepseek_v3(), "h800", context_len=4989,
+                                ep_size=144, weight_dtype_bytes=1)
+    assert "70,272 B (68.6 KiB)" in text and "3,997,696 B (3.81 MiB)" in text
+    assert "56.9x" in text and "295 FLOP/B" in text and "C_max" in text
+    tiny = A.quickstart_section(pdjax.configs.tiny(), "a100")
+    assert tiny.startswith("### ") and "MLA" in tiny and "MHA" in tiny
