@@ -15,10 +15,15 @@ import jax
 import numpy as np
 
 import pdjax
+from pdjax import analysis
 
 DEFAULTS = {
     "model": {"preset": "tiny", "seed": 0},
     "workload": {"batch": 4, "prompt_len": 32, "max_new_tokens": 16, "seed": 1},
+    # DeepSeek's production decode setting (BRIEF sections 1-2): V3, fp8 weights over EP144,
+    # H800, mean KV length 4,989.
+    "analysis": {"preset": "deepseek_v3", "hardware": "h800", "context_len": 4989,
+                 "weight_dtype_bytes": 1, "compute_dtype": "fp8", "ep_size": 144},
 }
 
 
@@ -77,8 +82,8 @@ def model_section(cfg: dict, out_dir: str) -> tuple[str, dict]:
 
     L, H = mcfg.num_hidden_layers, mcfg.num_attention_heads
     itemsize = cache.dtype.itemsize
-    mla_bytes = cache.nbytes_per_token()
-    mha_bytes = L * H * (mcfg.qk_head_dim + mcfg.v_head_dim) * itemsize
+    mla_bytes = cache.nbytes_per_token()          # measured from the real cache buffers
+    mha_bytes = analysis.kv_bytes_per_token(mcfg, itemsize, "mha")
     data = {
         "backend": jax.default_backend(),
         "devices": jax.device_count(),
@@ -111,7 +116,7 @@ def model_section(cfg: dict, out_dir: str) -> tuple[str, dict]:
             "latent KV bytes/token (all layers)":
                 f"{mla_bytes:,} B = {L} layers x ({mcfg.kv_lora_rank} + {mcfg.qk_rope_head_dim}) x {itemsize} B",
             "MHA counterfactual bytes/token":
-                f"{mha_bytes:,} B = {L} x {H} heads x ({mcfg.qk_head_dim} + {mcfg.v_head_dim}) x {itemsize} B",
+                f"{mha_bytes:,} B = {L} x {H} heads x ({mcfg.qk_nope_head_dim} + {mcfg.v_head_dim}) x {itemsize} B",
             "MHA / MLA": f"{data['kv_ratio_mha_over_mla']}x",
         }),
         "",
@@ -140,7 +145,20 @@ def pipeline_section(cfg: dict, out_dir: str) -> tuple[str, dict]:
     return "\n".join(md), data
 
 
-SECTIONS = [model_section, pipeline_section]
+def analysis_section(cfg: dict, out_dir: str) -> tuple[str, dict]:
+    """Roofline and KV accounting of a published config on a hardware preset."""
+    a = _merged(cfg)["analysis"]
+    mcfg = pdjax.configs.preset(a["preset"])
+    md = analysis.quickstart_section(mcfg, a["hardware"], context_len=a["context_len"],
+                                     weight_dtype_bytes=a["weight_dtype_bytes"], ep_size=a["ep_size"],
+                                     compute_dtype=a["compute_dtype"])
+    data = {"kv_bytes_per_token_mla": analysis.kv_bytes_per_token(mcfg, 2, "mla"),
+            "kv_bytes_per_token_mha": analysis.kv_bytes_per_token(mcfg, 2, "mha"),
+            "machine_balance_bf16": analysis.machine_balance(a["hardware"], "bf16")}
+    return "## Analysis\n" + md, data
+
+
+SECTIONS = [model_section, analysis_section, pipeline_section]
 
 
 def run_quickstart(cfg: dict, out_dir: str) -> dict:

@@ -5,6 +5,9 @@ import os
 
 import pytest
 
+import pdjax
+from pdjax import analysis
+
 from pdjax.experiments import cli, runner
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
@@ -21,7 +24,10 @@ def test_quickstart_runs_and_writes_report(tmp_path):
     assert "## Model: prefill and decode" in report and "## Pipeline schedules" in report
     m = summary["model_section"]
     assert m["generate_agrees"] is True
-    assert m["kv_bytes_per_token_mla"] == 3 * (32 + 8) * 4       # tiny: 3 layers x (C + R) x f32
+    cfg = pdjax.configs.tiny()
+    assert m["kv_bytes_per_token_mla"] == analysis.kv_bytes_per_token(cfg, 4, "mla") \
+        == cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
+    assert "## Analysis" in report
     assert os.path.exists(os.path.join(out_dir, "dualpipe_8x20.png"))
     assert json.load(open(os.path.join(out_dir, "summary.json")))["pipeline_section"]["dualpipe"]
 
