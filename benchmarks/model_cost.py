@@ -86,7 +86,7 @@ def decode_bytes_table():
     cache_bytes = sum(x.nbytes for x in cache.kv)
     ideal = param_bytes + cache_bytes
     absorbed = cost(tr._decode_step, params, cfg, tok, cache)["bytes accessed"]
-    naive_fn = jax.jit(lambda p, t, c: tr._run_with_cache(p, cfg, t[:, None], c, jnp.ones_like(c.lengths),
+    naive_fn = jax.jit(lambda p, t, c: tr.run_with_cache(p, cfg, t[:, None], c, jnp.ones_like(c.lengths),
                                                           False, None), donate_argnums=2)
     naive = cost(naive_fn, params, tok, cache)["bytes accessed"]
     print(f"## decode_step bytes accessed: {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} heads, "

@@ -14,7 +14,8 @@ from pdjax import configs
 from pdjax.config import ModelConfig, RopeScaling
 from pdjax.model.cache import KVCache, init_cache
 from pdjax.model.hf import load_hf, restore_params, save_hf, save_params
-from pdjax.model.transformer import decode_step, forward, generate, init_params, prefill
+from pdjax.api import decode_step, forward, generate, prefill
+from pdjax.model.transformer import init_params
 
 __all__ = [
     "ModelConfig", "RopeScaling", "KVCache", "configs", "decode_step", "forward", "generate",

@@ -15,10 +15,36 @@ experts over the sorted rows:
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 
 from pdjax.config import ModelConfig
+
+_STATS: list[list] = []
+
+
+@contextlib.contextmanager
+def collect_stats():
+    """At trace time, collect the per-layer statistics MoE implementations record (e.g. the
+    dropped-assignment count of a capacity-limited expert-parallel layer), in layer order."""
+    stats: list = []
+    _STATS.append(stats)
+    try:
+        yield stats
+    finally:
+        _STATS.pop()
+
+
+def record_stat(value) -> None:
+    """Called by a MoE implementation once per layer with an int32 scalar."""
+    if _STATS:
+        _STATS[-1].append(value)
+
+
+def stacked_stats(stats):
+    return jnp.stack(stats) if stats else jnp.zeros((0,), jnp.int32)
 
 
 def gate(p, cfg: ModelConfig, x_ND):
@@ -134,8 +160,13 @@ def routed_experts(p, x_ND, weights_Nk, idx_Nk, impl: str | None = None):
     return jnp.einsum("NkD,Nk->ND", y_NkD, weights_Nk).astype(x_ND.dtype)
 
 
-def moe(p, cfg: ModelConfig, x_ND, impl: str | None = None):
-    """Routed experts plus shared experts, for flattened tokens [N,D]."""
+def moe(p, cfg: ModelConfig, x_ND, impl=None):
+    """Routed experts plus shared experts, for flattened tokens [N,D].
+
+    ``impl``: "tiled" / "ragged" (single device), or a callable ``impl(p, cfg, x_ND)`` that
+    computes the whole layer another way (e.g. pdjax.parallel's expert parallelism)."""
+    if callable(impl):
+        return impl(p, cfg, x_ND)
     weights, idx = gate(p, cfg, x_ND)
     y = routed_experts(p, x_ND, weights, idx, impl)
     if cfg.n_shared_experts:

@@ -15,6 +15,7 @@ compute; the jitted cores below take the config as a static argument.
 from __future__ import annotations
 
 import functools
+import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -109,8 +110,8 @@ def head(params, cfg: ModelConfig, x):
 
 # ---- jitted cores ------------------------------------------------------------------------
 
-@functools.partial(jax.jit, static_argnames=("cfg", "moe_impl"))
-def _forward(params, cfg, tokens_BT, moe_impl=None):
+def forward_core(params, cfg, tokens_BT, moe_impl=None):
+    """Unjitted full causal forward (no cache): logits [B,T,V] float32."""
     B, T = tokens_BT.shape
     q_pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     x = embed(params, tokens_BT)
@@ -119,7 +120,21 @@ def _forward(params, cfg, tokens_BT, moe_impl=None):
     return head(params, cfg, x)
 
 
-def _run_with_cache(params, cfg, tokens_BT, cache, new_lengths_B, absorbed, moe_impl):
+def _with_stats(core):
+    """core -> a function returning (core's result, per-MoE-layer stats [layers] int32)."""
+    @functools.wraps(core)
+    def f(*args, **kwargs):
+        with moe_lib.collect_stats() as stats:
+            out = core(*args, **kwargs)
+        return out, moe_lib.stacked_stats(stats)
+    return f
+
+
+_forward = jax.jit(_with_stats(forward_core), static_argnames=("cfg", "moe_impl"))
+
+
+def run_with_cache(params, cfg, tokens_BT, cache, new_lengths_B, absorbed=False, moe_impl=None):
+    """Unjitted chunk through the model with a cache (prefill chunk or decode step)."""
     start = cache.lengths
     q_pos = start[:, None] + jnp.arange(tokens_BT.shape[1], dtype=jnp.int32)[None, :]
     x = embed(params, tokens_BT)
@@ -131,28 +146,31 @@ def _run_with_cache(params, cfg, tokens_BT, cache, new_lengths_B, absorbed, moe_
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "absorbed", "moe_impl"), donate_argnames=("cache",))
+@_with_stats
 def _prefill(params, cfg, tokens_BT, cache, lengths_B, absorbed=False, moe_impl=None):
-    return _run_with_cache(params, cfg, tokens_BT, cache, lengths_B, absorbed, moe_impl)
+    return run_with_cache(params, cfg, tokens_BT, cache, lengths_B, absorbed, moe_impl)
 
 
-def _decode_impl(params, cfg, tokens_B, cache, moe_impl=None):
-    logits, cache = _run_with_cache(params, cfg, tokens_B[:, None], cache,
+def decode_core(params, cfg, tokens_B, cache, moe_impl=None):
+    """Unjitted decode step: one token per row, absorbed MLA. (logits [B,V], cache)."""
+    logits, cache = run_with_cache(params, cfg, tokens_B[:, None], cache,
                                     jnp.ones_like(cache.lengths), True, moe_impl)
     return logits[:, 0], cache
 
 
-_decode_step = jax.jit(_decode_impl, static_argnames=("cfg", "moe_impl"), donate_argnames=("cache",))
+_decode_step = jax.jit(_with_stats(decode_core), static_argnames=("cfg", "moe_impl"),
+                       donate_argnames=("cache",))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "steps", "moe_impl"), donate_argnames=("cache",))
 def _greedy_loop(params, cfg, first_B, cache, steps, moe_impl=None):
     def body(carry, _):
         tok, cache = carry
-        logits, cache = _decode_impl(params, cfg, tok, cache, moe_impl)
+        (logits, cache), stats = _with_stats(decode_core)(params, cfg, tok, cache, moe_impl)
         nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        return (nxt, cache), nxt
-    (_, cache), toks = jax.lax.scan(body, (first_B, cache), None, length=steps)
-    return toks.T, cache
+        return (nxt, cache), (nxt, stats)
+    (_, cache), (toks, stats) = jax.lax.scan(body, (first_B, cache), None, length=steps)
+    return (toks.T, cache), stats.sum(0)
 
 
 # ---- validation ----------------------------------------------------------------------------
@@ -181,17 +199,44 @@ def check_tokens(cfg: ModelConfig, tokens, ndim: int, name: str = "tokens"):
 
 # ---- public API ----------------------------------------------------------------------------
 
-def forward(params, cfg: ModelConfig, tokens, *, moe_impl=None):
-    """Logits [B,T,V] (float32) of a full causal forward, no cache."""
+def _place(x, batch_sharding):
+    """Put batch-major arrays (tokens, cache buffers, lengths) onto the mesh, if one is used."""
+    return x if batch_sharding is None else jax.device_put(x, batch_sharding)
+
+
+def _finish(result, stats, moe_impl, return_stats: bool, what: str):
+    """Report dropped assignments (never silent) and optionally return the stats."""
+    if getattr(moe_impl, "may_drop", False):
+        dropped = np.asarray(stats)
+        if dropped.sum() > 0:
+            warnings.warn(f"{what}: capacity-limited expert parallelism dropped "
+                          f"{int(dropped.sum())} token-expert assignments (per MoE layer: "
+                          f"{dropped.tolist()}); raise capacity_factor or use None (dropless)",
+                          stacklevel=3)
+    if return_stats:
+        return result, {"dropped_per_moe_layer": stats}
+    return result
+
+
+def forward(params, cfg: ModelConfig, tokens, *, moe_impl=None, batch_sharding=None,
+            return_stats: bool = False):
+    """Logits [B,T,V] (float32) of a full causal forward, no cache.
+
+    ``moe_impl``: "tiled", "ragged" or a MoE callable (expert parallelism);
+    ``batch_sharding``: where batch-major inputs go (a mesh's DP sharding);
+    ``return_stats``: also return {"dropped_per_moe_layer": [moe layers]}.
+    """
     tokens = check_tokens(cfg, tokens, 2)
     if not _is_tracer(tokens) and tokens.shape[1] > cfg.max_position_embeddings:
         raise ValueError(f"sequence length {tokens.shape[1]} exceeds "
                          f"max_position_embeddings={cfg.max_position_embeddings}")
-    return _forward(params, cfg, tokens, moe_impl)
+    logits, stats = _forward(params, cfg, _place(tokens, batch_sharding), moe_impl)
+    return _finish(logits, stats, moe_impl, return_stats, "forward")
 
 
 def prefill(params, cfg: ModelConfig, tokens, *, max_len: int | None = None,
-            cache: KVCache | None = None, lengths=None, absorbed: bool = False, moe_impl=None):
+            cache: KVCache | None = None, lengths=None, absorbed: bool = False, moe_impl=None,
+            batch_sharding=None, return_stats: bool = False):
     """Run a prompt chunk [B,T] through the model, writing its latents into the cache.
 
     * ``cache=None``: a new cache of ``max_len`` (default T) positions is made.
@@ -206,7 +251,7 @@ def prefill(params, cfg: ModelConfig, tokens, *, max_len: int | None = None,
         max_len = T if max_len is None else max_len
         if T > max_len:
             raise ValueError(f"prompt of {T} tokens is longer than max_len={max_len}")
-        cache = init_cache(cfg, B, max_len, param_dtype(params))
+        cache = _place(init_cache(cfg, B, max_len, param_dtype(params)), batch_sharding)
     elif max_len is not None and max_len != cache.max_len:
         raise ValueError(f"max_len={max_len} disagrees with the given cache ({cache.max_len})")
     if cache.batch != B:
@@ -222,21 +267,45 @@ def prefill(params, cfg: ModelConfig, tokens, *, max_len: int | None = None,
         if end.max() > cache.max_len:
             raise ValueError(f"prompt of {T} tokens after a cached prefix of "
                              f"{int(end.max()) - T} exceeds max_len={cache.max_len}")
-    return _prefill(params, cfg, tokens, cache, jnp.asarray(lengths), absorbed, moe_impl)
+    out, stats = _prefill(params, cfg, _place(tokens, batch_sharding), cache,
+                          _place(jnp.asarray(lengths), batch_sharding), absorbed, moe_impl)
+    return _finish(out, stats, moe_impl, return_stats, "prefill")
 
 
-def decode_step(params, cfg: ModelConfig, next_tokens, cache: KVCache, *, moe_impl=None):
+def decode_step(params, cfg: ModelConfig, next_tokens, cache: KVCache, *, moe_impl=None,
+                batch_sharding=None, return_stats: bool = False):
     """One token per row [B] -> (logits [B,V] float32, cache). Absorbed MLA; cache donated."""
     next_tokens = check_tokens(cfg, next_tokens, 1, "next_tokens")
     if next_tokens.shape[0] != cache.batch:
         raise ValueError(f"next_tokens batch {next_tokens.shape[0]} does not match cache batch {cache.batch}")
     if not _is_tracer(cache.lengths) and int(np.asarray(cache.lengths).max()) >= cache.max_len:
         raise ValueError(f"cache is full: a row already holds max_len={cache.max_len} tokens")
-    return _decode_step(params, cfg, next_tokens, cache, moe_impl)
+    out, stats = _decode_step(params, cfg, _place(next_tokens, batch_sharding), cache, moe_impl)
+    return _finish(out, stats, moe_impl, return_stats, "decode_step")
+
+
+def _pad_prompts(cfg: ModelConfig, prompts):
+    """prompts (array [B,T] or ragged list) -> (tokens [B,T] right-padded, lengths [B], ragged)."""
+    ragged = isinstance(prompts, (list, tuple))
+    if not ragged:
+        tokens = np.asarray(prompts)
+        check_tokens(cfg, tokens, 2, "prompts")
+        return tokens, np.full((tokens.shape[0],), tokens.shape[1], np.int32), False
+    if not prompts:
+        raise ValueError("prompts is empty")
+    lens = [len(p) for p in prompts]
+    for i, n in enumerate(lens):
+        if n == 0:
+            raise ValueError(f"prompt {i} is empty")
+    padded = np.zeros((len(prompts), max(lens)), np.int64)
+    for i, p in enumerate(prompts):
+        padded[i, : len(p)] = np.asarray(p, np.int64)
+        check_tokens(cfg, padded[i: i + 1, : len(p)], 2, f"prompt {i}")
+    return padded, np.asarray(lens, np.int32), True
 
 
 def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int, max_len: int | None = None,
-             moe_impl=None):
+             moe_impl=None, batch_sharding=None):
     """Greedy generation.
 
     ``prompts``: an int array [B,T] (returns an array [B, T+max_new_tokens]) or a list of
@@ -244,37 +313,21 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int, max_len:
     """
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    ragged = isinstance(prompts, (list, tuple))
-    if ragged:
-        if not prompts:
-            raise ValueError("prompts is empty")
-        lens = [len(p) for p in prompts]
-        for i, n in enumerate(lens):
-            if n == 0:
-                raise ValueError(f"prompt {i} is empty")
-        T = max(lens)
-        padded = np.zeros((len(prompts), T), np.int64)
-        for i, p in enumerate(prompts):
-            padded[i, : len(p)] = np.asarray(p, np.int64)
-            check_tokens(cfg, padded[i : i + 1, : len(p)], 2, f"prompt {i}")
-        tokens, lengths = padded, np.asarray(lens, np.int32)
-    else:
-        tokens = np.asarray(prompts)
-        check_tokens(cfg, tokens, 2, "prompts")
-        lengths = np.full((tokens.shape[0],), tokens.shape[1], np.int32)
+    tokens, lengths, ragged = _pad_prompts(cfg, prompts)
     need = int(lengths.max()) + max_new_tokens
     max_len = need if max_len is None else max_len
     if need > max_len:
         raise ValueError(f"prompt ({int(lengths.max())}) + max_new_tokens ({max_new_tokens}) "
                          f"exceeds max_len={max_len}")
-    logits, cache = prefill(params, cfg, tokens, max_len=max_len, lengths=lengths, moe_impl=moe_impl)
+    logits, cache = prefill(params, cfg, tokens, max_len=max_len, lengths=lengths, moe_impl=moe_impl,
+                            batch_sharding=batch_sharding)
     first = jnp.argmax(logits[jnp.arange(tokens.shape[0]), jnp.asarray(lengths) - 1], -1).astype(jnp.int32)
+    new = np.asarray(first)[:, None]
     if max_new_tokens > 1:
-        rest, _ = _greedy_loop(params, cfg, first, cache, max_new_tokens - 1, moe_impl)
-        new = np.concatenate([np.asarray(first)[:, None], np.asarray(rest)], axis=1)
-    else:
-        new = np.asarray(first)[:, None]
+        (rest, _), stats = _greedy_loop(params, cfg, _place(first, batch_sharding), cache,
+                                        max_new_tokens - 1, moe_impl)
+        _finish(None, stats, moe_impl, False, "generate")
+        new = np.concatenate([new, np.asarray(rest)], axis=1)
     if ragged:
         return [list(map(int, p)) + new[i].tolist() for i, p in enumerate(prompts)]
     return np.concatenate([tokens.astype(np.int32), new], axis=1)
-

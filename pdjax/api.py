@@ -1,0 +1,68 @@
+"""The top-level model API: the single-device functions of pdjax.model, plus ``mesh=`` to run
+them with DP attention and expert-parallel MoE layers on a jax.sharding mesh."""
+
+from __future__ import annotations
+
+import jax
+
+from pdjax.config import ModelConfig
+from pdjax.model import transformer
+from pdjax.parallel.ep import ExpertParallel
+from pdjax.parallel.mesh import ShardingRules, batch_sharding, check_batch, shard_params
+
+
+def _on_mesh(params, cfg, mesh, batch: int, capacity_factor, rules):
+    """(params placed on the mesh, EP MoE implementation, batch sharding)."""
+    rules = rules or ShardingRules.default(mesh)
+    rules.check(mesh)
+    check_batch(mesh, batch, rules)
+    ep = ExpertParallel(mesh, batch_axes=rules.axes("batch"), capacity_factor=capacity_factor,
+                        expert_axis=(rules.axes("experts") or ("expert",))[0])
+    leaf = jax.tree.leaves(params)[0]
+    if getattr(getattr(leaf, "sharding", None), "mesh", None) != mesh:
+        params = shard_params(params, cfg, mesh, rules)
+    return params, ep, batch_sharding(mesh, rules, ndim=1)   # P(batch): any rank >= 1
+
+
+def _batch_of(tokens) -> int:
+    if isinstance(tokens, (list, tuple)):
+        return len(tokens)
+    return tokens.shape[0]
+
+
+def forward(params, cfg: ModelConfig, tokens, *, mesh=None, capacity_factor=None, rules=None,
+            moe_impl=None, return_stats: bool = False):
+    """Logits [B,T,V]. With ``mesh``: attention data-parallel over the batch axes, MoE layers
+    expert-parallel (``capacity_factor=None``: dropless)."""
+    if mesh is None:
+        return transformer.forward(params, cfg, tokens, moe_impl=moe_impl, return_stats=return_stats)
+    params, ep, bs = _on_mesh(params, cfg, mesh, _batch_of(tokens), capacity_factor, rules)
+    return transformer.forward(params, cfg, tokens, moe_impl=ep, batch_sharding=bs,
+                               return_stats=return_stats)
+
+
+def prefill(params, cfg: ModelConfig, tokens, *, mesh=None, capacity_factor=None, rules=None, **kwargs):
+    """See :func:`pdjax.model.transformer.prefill`; ``mesh`` as in :func:`forward`."""
+    if mesh is None:
+        return transformer.prefill(params, cfg, tokens, **kwargs)
+    params, ep, bs = _on_mesh(params, cfg, mesh, _batch_of(tokens), capacity_factor, rules)
+    return transformer.prefill(params, cfg, tokens, moe_impl=ep, batch_sharding=bs, **kwargs)
+
+
+def decode_step(params, cfg: ModelConfig, next_tokens, cache, *, mesh=None, capacity_factor=None,
+                rules=None, **kwargs):
+    """See :func:`pdjax.model.transformer.decode_step`; ``mesh`` as in :func:`forward`."""
+    if mesh is None:
+        return transformer.decode_step(params, cfg, next_tokens, cache, **kwargs)
+    params, ep, bs = _on_mesh(params, cfg, mesh, _batch_of(next_tokens), capacity_factor, rules)
+    return transformer.decode_step(params, cfg, next_tokens, cache, moe_impl=ep, batch_sharding=bs, **kwargs)
+
+
+def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int, mesh=None, capacity_factor=None,
+             rules=None, **kwargs):
+    """Greedy generation; see :func:`pdjax.model.transformer.generate`."""
+    if mesh is None:
+        return transformer.generate(params, cfg, prompts, max_new_tokens=max_new_tokens, **kwargs)
+    params, ep, bs = _on_mesh(params, cfg, mesh, _batch_of(prompts), capacity_factor, rules)
+    return transformer.generate(params, cfg, prompts, max_new_tokens=max_new_tokens, moe_impl=ep,
+                                batch_sharding=bs, **kwargs)

@@ -1,0 +1,171 @@
+"""Expert parallelism: route locally, all-to-all tokens to the ranks that hold their experts,
+run the local experts, all-to-all the results back, combine with the routing weights.
+
+Einsum legend: n local tokens, k experts per token, A = n*k assignments, X ranks on the
+expert axis, C capacity (rows per destination rank), D hidden.
+
+Inside ``jax.shard_map`` every device holds n tokens (the batch is split over all mesh
+axes: DP attention) and P/X physical experts (split over the expert axis). Buffers are
+capacity-padded ([X, C, D], works on XLA:CPU). ``capacity_factor=None`` sizes C for the
+worst case (every assignment to one rank), so nothing can drop and the result equals the
+single-device model; a finite factor sets C = ceil(cf * A / X) and any assignment past C is
+dropped *and counted*: ``ep_moe`` returns the count and records it with
+``moe.record_stat``, so the model's jitted functions return it per layer.
+
+Redundant experts (EPLB): :func:`place_experts` turns logical expert weights into physical
+slots ``w[phy2log]`` and stores the inverse map in the layer's params; tokens of a replicated
+expert are split across its replicas round-robin by assignment index.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+
+from pdjax.config import ModelConfig
+from pdjax.model import moe as moe_lib
+
+@dataclasses.dataclass(frozen=True)
+class ExpertParallel:
+    """How MoE layers run on a mesh; a static (hashable) argument of the jitted model.
+
+    expert_axis: mesh axis the experts are split over; batch_axes: mesh axes the tokens
+    are split over (default: all axes, DP attention); capacity_factor: None = dropless.
+    """
+
+    mesh: Mesh
+    expert_axis: str = "expert"
+    batch_axes: tuple[str, ...] | None = None
+    capacity_factor: float | None = None
+    impl: str = "tiled"
+
+    @property
+    def may_drop(self) -> bool:
+        return self.capacity_factor is not None
+
+    def __post_init__(self):
+        names = tuple(self.mesh.axis_names)
+        if self.expert_axis not in names:
+            raise ValueError(f"expert_axis {self.expert_axis!r} is not a mesh axis {names}")
+        if self.batch_axes is None:
+            object.__setattr__(self, "batch_axes", names)
+        for a in self.batch_axes:
+            if a not in names:
+                raise ValueError(f"batch axis {a!r} is not a mesh axis {names}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"capacity_factor must be > 0 or None, got {self.capacity_factor}")
+
+    @property
+    def ep_size(self) -> int:
+        return self.mesh.shape[self.expert_axis]
+
+    @property
+    def batch_size(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.batch_axes)
+
+    def capacity(self, assignments: int) -> int:
+        if self.capacity_factor is None:
+            return assignments
+        return max(1, math.ceil(self.capacity_factor * assignments / self.ep_size))
+
+    def __call__(self, p, cfg: ModelConfig, x_ND):
+        y, dropped = ep_moe(p, cfg, x_ND, self)
+        moe_lib.record_stat(dropped)
+        if cfg.n_shared_experts:   # data-parallel: x is batch-sharded, the weights replicated
+            s = p["shared"]
+            y = y + moe_lib.swiglu(x_ND, s["w_gate"], s["w_up"], s["w_down"])
+        return y
+
+
+def _physical_ids(idx_nk, p, ep: ExpertParallel):
+    """Logical expert ids -> physical slots; replicas taken round-robin by assignment index."""
+    if "log2phy" not in p:
+        return idx_nk
+    log2phy, logcnt = p["log2phy"], p["logcnt"]
+    a = jnp.arange(idx_nk.size, dtype=jnp.int32).reshape(idx_nk.shape)
+    replica = a % logcnt[idx_nk]
+    return log2phy[idx_nk, replica]
+
+
+def ep_moe(p, cfg: ModelConfig, x_ND, ep: ExpertParallel):
+    """Routed experts, expert-parallel. Returns (y [N,D], dropped assignments, int32)."""
+    X, axis = ep.ep_size, ep.expert_axis
+    num_phys = p["w_gate"].shape[0]
+    if num_phys % X:
+        raise ValueError(f"{num_phys} physical experts do not divide over expert axis {axis!r} of size {X}")
+    if x_ND.shape[0] % ep.batch_size:
+        raise ValueError(f"{x_ND.shape[0]} tokens do not divide over batch axes {ep.batch_axes} "
+                         f"(size {ep.batch_size})")
+    E_loc, k = num_phys // X, cfg.num_experts_per_tok
+    n = x_ND.shape[0] // ep.batch_size
+    A = n * k
+    C = ep.capacity(A)
+    route = {key: p[key] for key in ("router", "router_bias", "log2phy", "logcnt") if key in p}
+    experts = {key: p[key] for key in ("w_gate", "w_up", "w_down")}
+
+    def local(x, route, experts):
+        D = x.shape[1]
+        weights, idx = moe_lib.gate(route, cfg, x)
+        phys = _physical_ids(idx, route, ep).reshape(A)
+        dest, loc = phys // E_loc, phys % E_loc
+        order = jnp.argsort(dest, stable=True)
+        counts = jnp.bincount(dest, length=X)
+        starts = jnp.cumsum(counts) - counts
+        pos = jnp.zeros((A,), jnp.int32).at[order].set(
+            jnp.arange(A, dtype=jnp.int32) - starts[dest[order]].astype(jnp.int32))
+        keep = pos < C
+        slot = jnp.where(keep, dest * C + pos, X * C)                      # X*C: dropped
+        token = jnp.arange(A) // k
+        send_x = jnp.zeros((X * C, D), x.dtype).at[slot].set(x[token], mode="drop")
+        send_e = jnp.full((X * C,), -1, jnp.int32).at[slot].set(loc, mode="drop")
+        recv_x = jax.lax.all_to_all(send_x.reshape(X, C, D), axis, 0, 0)
+        recv_e = jax.lax.all_to_all(send_e.reshape(X, C), axis, 0, 0).reshape(X * C)
+        valid = recv_e >= 0
+        y_rows = moe_lib.routed_experts(experts, recv_x.reshape(X * C, D),
+                                        valid[:, None].astype(jnp.float32),
+                                        jnp.where(valid, recv_e, 0)[:, None], ep.impl)
+        back = jax.lax.all_to_all(y_rows.reshape(X, C, D), axis, 0, 0).reshape(X * C, D)
+        y_assign = jnp.take(back, slot, axis=0, mode="fill", fill_value=0).reshape(n, k, D)
+        y = jnp.einsum("nkD,nk->nD", y_assign.astype(jnp.float32),
+                       weights * keep.reshape(n, k)).astype(x.dtype)
+        dropped = jax.lax.psum(A - keep.sum(dtype=jnp.int32), tuple(ep.mesh.axis_names))
+        return y, dropped
+
+    batch = P(ep.batch_axes if len(ep.batch_axes) > 1 else ep.batch_axes[0])
+    expert_spec = {key: P(axis) for key in experts}
+    fn = jax.shard_map(local, mesh=ep.mesh,
+                       in_specs=(batch, jax.tree.map(lambda _: P(), route), expert_spec),
+                       out_specs=(batch, P()), check_vma=False)
+    return fn(x_ND, route, experts)
+
+
+def place_experts(params, phy2log) -> dict:
+    """Params with routed experts laid out in physical slots: ``w[l] = w_logical[phy2log[l]]``
+    for each MoE layer (phy2log [moe_layers, P], from EPLB), plus the inverse map
+    ``log2phy`` [E, max_replicas] / ``logcnt`` [E] in each MoE layer's params."""
+    phy2log = np.asarray(phy2log)
+    moe_layers = [i for i, lp in enumerate(params["layers"]) if "moe" in lp]
+    if phy2log.ndim != 2 or phy2log.shape[0] != len(moe_layers):
+        raise ValueError(f"phy2log must be [moe_layers={len(moe_layers)}, physical], got {phy2log.shape}")
+    layers = list(params["layers"])
+    for row, i in zip(phy2log, moe_layers):
+        m = dict(layers[i]["moe"])
+        E = m["w_gate"].shape[0]
+        if row.min() < 0 or row.max() >= E or len(set(row.tolist())) != E:
+            raise ValueError(f"phy2log for layer {i} must map onto every one of {E} logical experts")
+        cnt = np.bincount(row, minlength=E)
+        log2phy = np.full((E, cnt.max()), -1, np.int32)
+        fill = np.zeros(E, np.int64)
+        for phys, e in enumerate(row):
+            log2phy[e, fill[e]] = phys
+            fill[e] += 1
+        for key in ("w_gate", "w_up", "w_down"):
+            m[key] = m[key][jnp.asarray(row)]
+        m["log2phy"], m["logcnt"] = jnp.asarray(log2phy), jnp.asarray(cnt.astype(np.int32))
+        layers[i] = {**layers[i], "moe": m}
+    return {**params, "layers": layers}
