@@ -110,13 +110,26 @@ def head(params, cfg: ModelConfig, x):
 
 # ---- jitted cores ------------------------------------------------------------------------
 
+def run_layers(params, cfg, x_BTD, q_pos_BT, kv_layers=None, start_B=None, absorbed=False,
+               moe_impl=None):
+    """All decoder layers. Returns (x, per-layer kv: the new latents without a cache, the
+    updated layer caches with one). A MoE implementation with its own ``run_layers`` (e.g.
+    dual-batch overlap, which interleaves two micro-batches) takes over the loop."""
+    if hasattr(moe_impl, "run_layers"):
+        return moe_impl.run_layers(params, cfg, x_BTD, q_pos_BT, kv_layers, start_B, absorbed)
+    new_kv = []
+    for l, lp in enumerate(params["layers"]):
+        kv_l = None if kv_layers is None else kv_layers[l]
+        x_BTD, kv = layer(lp, cfg, x_BTD, q_pos_BT, kv_l, start_B, absorbed, moe_impl)
+        new_kv.append(kv)
+    return x_BTD, new_kv
+
+
 def forward_core(params, cfg, tokens_BT, moe_impl=None):
     """Unjitted full causal forward (no cache): logits [B,T,V] float32."""
     B, T = tokens_BT.shape
     q_pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    x = embed(params, tokens_BT)
-    for lp in params["layers"]:
-        x, _ = layer(lp, cfg, x, q_pos, moe_impl=moe_impl)
+    x, _ = run_layers(params, cfg, embed(params, tokens_BT), q_pos, moe_impl=moe_impl)
     return head(params, cfg, x)
 
 
@@ -137,11 +150,7 @@ def run_with_cache(params, cfg, tokens_BT, cache, new_lengths_B, absorbed=False,
     """Unjitted chunk through the model with a cache (prefill chunk or decode step)."""
     start = cache.lengths
     q_pos = start[:, None] + jnp.arange(tokens_BT.shape[1], dtype=jnp.int32)[None, :]
-    x = embed(params, tokens_BT)
-    new_kv = []
-    for lp, kv_layer in zip(params["layers"], cache.kv):
-        x, kv_layer = layer(lp, cfg, x, q_pos, kv_layer, start, absorbed, moe_impl)
-        new_kv.append(kv_layer)
+    x, new_kv = run_layers(params, cfg, embed(params, tokens_BT), q_pos, cache.kv, start, absorbed, moe_impl)
     return head(params, cfg, x), KVCache(kv=tuple(new_kv), lengths=start + new_lengths_B)
 
 

@@ -92,56 +92,108 @@ def _physical_ids(idx_nk, p, ep: ExpertParallel):
     return log2phy[idx_nk, replica]
 
 
-def ep_moe(p, cfg: ModelConfig, x_ND, ep: ExpertParallel):
-    """Routed experts, expert-parallel. Returns (y [N,D], dropped assignments, int32)."""
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    X: int          # ranks on the expert axis
+    E_loc: int      # physical experts per rank
+    n: int          # tokens per device
+    k: int
+    C: int          # capacity: rows per destination rank
+
+    @property
+    def A(self) -> int:
+        return self.n * self.k
+
+
+def _plan(p, cfg: ModelConfig, num_tokens: int, ep: ExpertParallel) -> _Plan:
     X, axis = ep.ep_size, ep.expert_axis
     num_phys = p["w_gate"].shape[0]
     if num_phys % X:
         raise ValueError(f"{num_phys} physical experts do not divide over expert axis {axis!r} of size {X}")
-    if x_ND.shape[0] % ep.batch_size:
-        raise ValueError(f"{x_ND.shape[0]} tokens do not divide over batch axes {ep.batch_axes} "
+    if num_tokens % ep.batch_size:
+        raise ValueError(f"{num_tokens} tokens do not divide over batch axes {ep.batch_axes} "
                          f"(size {ep.batch_size})")
-    E_loc, k = num_phys // X, cfg.num_experts_per_tok
-    n = x_ND.shape[0] // ep.batch_size
-    A = n * k
-    C = ep.capacity(A)
-    route = {key: p[key] for key in ("router", "router_bias", "log2phy", "logcnt") if key in p}
-    experts = {key: p[key] for key in ("w_gate", "w_up", "w_down")}
+    n, k = num_tokens // ep.batch_size, cfg.num_experts_per_tok
+    return _Plan(X=X, E_loc=num_phys // X, n=n, k=k, C=ep.capacity(n * k))
 
-    def local(x, route, experts):
+
+def _specs(ep: ExpertParallel):
+    if set(ep.batch_axes) != set(ep.mesh.axis_names):
+        raise ValueError(f"expert parallelism needs the batch split over every mesh axis "
+                         f"{tuple(ep.mesh.axis_names)} (DP attention), got {ep.batch_axes}")
+    return P(ep.batch_axes if len(ep.batch_axes) > 1 else ep.batch_axes[0])
+
+
+def ep_dispatch(p, cfg: ModelConfig, x_ND, ep: ExpertParallel):
+    """Stage 1: route locally and all-to-all each assignment to its expert's rank.
+
+    Returns the in-flight state, every array split over all devices (leading axis):
+    rows [X*C per device, D] received, their local expert ids (-1 = empty), and for the
+    combine: the send slot of each assignment and its kept routing weight; plus the dropped
+    count (summed over the mesh)."""
+    pl, batch = _plan(p, cfg, x_ND.shape[0], ep), _specs(ep)
+    route = {key: p[key] for key in ("router", "router_bias", "log2phy", "logcnt") if key in p}
+    X, C, A, axis = pl.X, pl.C, pl.A, ep.expert_axis
+
+    def local(x, route):
         D = x.shape[1]
         weights, idx = moe_lib.gate(route, cfg, x)
         phys = _physical_ids(idx, route, ep).reshape(A)
-        dest, loc = phys // E_loc, phys % E_loc
+        dest, loc = phys // pl.E_loc, phys % pl.E_loc
         order = jnp.argsort(dest, stable=True)
         counts = jnp.bincount(dest, length=X)
         starts = jnp.cumsum(counts) - counts
         pos = jnp.zeros((A,), jnp.int32).at[order].set(
             jnp.arange(A, dtype=jnp.int32) - starts[dest[order]].astype(jnp.int32))
         keep = pos < C
-        slot = jnp.where(keep, dest * C + pos, X * C)                      # X*C: dropped
-        token = jnp.arange(A) // k
+        slot = jnp.where(keep, dest * C + pos, X * C).astype(jnp.int32)   # X*C: dropped
+        token = jnp.arange(A) // pl.k
         send_x = jnp.zeros((X * C, D), x.dtype).at[slot].set(x[token], mode="drop")
         send_e = jnp.full((X * C,), -1, jnp.int32).at[slot].set(loc, mode="drop")
-        recv_x = jax.lax.all_to_all(send_x.reshape(X, C, D), axis, 0, 0)
+        recv_x = jax.lax.all_to_all(send_x.reshape(X, C, D), axis, 0, 0).reshape(X * C, D)
         recv_e = jax.lax.all_to_all(send_e.reshape(X, C), axis, 0, 0).reshape(X * C)
-        valid = recv_e >= 0
-        y_rows = moe_lib.routed_experts(experts, recv_x.reshape(X * C, D),
-                                        valid[:, None].astype(jnp.float32),
-                                        jnp.where(valid, recv_e, 0)[:, None], ep.impl)
-        back = jax.lax.all_to_all(y_rows.reshape(X, C, D), axis, 0, 0).reshape(X * C, D)
-        y_assign = jnp.take(back, slot, axis=0, mode="fill", fill_value=0).reshape(n, k, D)
-        y = jnp.einsum("nkD,nk->nD", y_assign.astype(jnp.float32),
-                       weights * keep.reshape(n, k)).astype(x.dtype)
         dropped = jax.lax.psum(A - keep.sum(dtype=jnp.int32), tuple(ep.mesh.axis_names))
-        return y, dropped
+        return recv_x, recv_e, slot, weights * keep.reshape(pl.n, pl.k), dropped
 
-    batch = P(ep.batch_axes if len(ep.batch_axes) > 1 else ep.batch_axes[0])
-    expert_spec = {key: P(axis) for key in experts}
-    fn = jax.shard_map(local, mesh=ep.mesh,
-                       in_specs=(batch, jax.tree.map(lambda _: P(), route), expert_spec),
-                       out_specs=(batch, P()), check_vma=False)
-    return fn(x_ND, route, experts)
+    return jax.shard_map(local, mesh=ep.mesh, in_specs=(batch, jax.tree.map(lambda _: P(), route)),
+                         out_specs=(batch, batch, batch, batch, P()), check_vma=False)(x_ND, route)
+
+
+def ep_compute(p, recv_x, recv_e, ep: ExpertParallel):
+    """Stage 2: each rank runs its local experts over the rows it received (no communication)."""
+    experts = {key: p[key] for key in ("w_gate", "w_up", "w_down")}
+    batch = _specs(ep)
+
+    def local(experts, rows, ids):
+        valid = ids >= 0
+        return moe_lib.routed_experts(experts, rows, valid[:, None].astype(jnp.float32),
+                                      jnp.where(valid, ids, 0)[:, None], ep.impl)
+
+    return jax.shard_map(local, mesh=ep.mesh, in_specs=({k: P(ep.expert_axis) for k in experts}, batch, batch),
+                         out_specs=batch, check_vma=False)(experts, recv_x, recv_e)
+
+
+def ep_combine(y_rows, slot, weights, ep: ExpertParallel, dtype):
+    """Stage 3: all-to-all the results back and sum each token's k results by weight."""
+    batch, X, axis = _specs(ep), ep.ep_size, ep.expert_axis
+
+    def local(rows, slot, w):
+        n, k = w.shape
+        D = rows.shape[1]
+        back = jax.lax.all_to_all(rows.reshape(X, -1, D), axis, 0, 0).reshape(-1, D)
+        y_assign = jnp.take(back, slot, axis=0, mode="fill", fill_value=0).reshape(n, k, D)
+        return jnp.einsum("nkD,nk->nD", y_assign.astype(jnp.float32), w).astype(dtype)
+
+    return jax.shard_map(local, mesh=ep.mesh, in_specs=(batch, batch, batch), out_specs=batch,
+                         check_vma=False)(y_rows, slot, weights)
+
+
+def ep_moe(p, cfg: ModelConfig, x_ND, ep: ExpertParallel):
+    """Routed experts, expert-parallel: dispatch, compute, combine.
+    Returns (y [N,D], dropped assignments over the mesh, int32)."""
+    recv_x, recv_e, slot, weights, dropped = ep_dispatch(p, cfg, x_ND, ep)
+    y_rows = ep_compute(p, recv_x, recv_e, ep)
+    return ep_combine(y_rows, slot, weights, ep, x_ND.dtype), dropped
 
 
 def place_experts(params, phy2log) -> dict:

@@ -1,0 +1,148 @@
+"""Dual-batch overlap (DBO): split the batch into two micro-batches and interleave them so one
+micro-batch's all-to-all can hide behind the other's compute, as DeepSeek's prefill does.
+
+Program order inside each MoE layer (``run_layers_dbo``)::
+
+    attn(0) dispatch(0) | attn(1) experts(0) dispatch(1) | combine(0) experts(1) | combine(1)
+
+Each micro-batch computes exactly what it would alone, so the output equals no overlap
+(and the single-device model). Whether the communication actually overlaps is up to the
+XLA scheduler and backend (XLA:CPU runs collectives synchronously); ``overlap_timeline``
+predicts the step time with and without DBO from op times, on two streams (compute and
+communication), for the experiment that plots the gain against the compute:communication
+ratio.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from pdjax.model import mla
+from pdjax.model import moe as moe_lib
+from pdjax.model.transformer import attention, layer
+from pdjax.parallel.ep import ExpertParallel, ep_combine, ep_compute, ep_dispatch
+
+
+@dataclasses.dataclass(frozen=True)
+class DualBatchOverlap(ExpertParallel):
+    """Expert parallelism with dual-batch overlap: the model's layer loop is replaced by the
+    interleaved two-micro-batch loop. Batch halves must each divide over the batch axes."""
+
+    def run_layers(self, params, cfg, x_BTD, q_pos_BT, kv_layers, start_B, absorbed):
+        return run_layers_dbo(params, cfg, x_BTD, q_pos_BT, kv_layers, start_B, absorbed, self)
+
+
+def _halves(x):
+    if x is None:
+        return None, None
+    b = x.shape[0] // 2
+    return x[:b], x[b:]
+
+
+def run_layers_dbo(params, cfg, x_BTD, q_pos_BT, kv_layers, start_B, absorbed, ep: ExpertParallel):
+    B = x_BTD.shape[0]
+    if B % 2 or (B // 2) % ep.batch_size:
+        raise ValueError(f"dual-batch overlap splits batch {B} in two halves that must each divide over "
+                         f"the batch axes {ep.batch_axes} (size {ep.batch_size})")
+    x, q_pos, start = list(_halves(x_BTD)), _halves(q_pos_BT), _halves(start_B)
+    eps = cfg.rms_norm_eps
+    new_kv = []
+    for l, lp in enumerate(params["layers"]):
+        kv = _halves(None if kv_layers is None else kv_layers[l])
+        if "moe" not in lp:
+            outs = [layer(lp, cfg, x[m], q_pos[m], kv[m], start[m], absorbed, ep) for m in (0, 1)]
+            x = [o[0] for o in outs]
+            new_kv.append(jnp.concatenate([o[1] for o in outs]))
+            continue
+        p = lp["moe"]
+
+        def attend(m):
+            a, kv_m = attention(lp, cfg, mla.rms_norm(x[m], lp["attn_norm"], eps), q_pos[m], kv[m],
+                                start[m], absorbed)
+            h = x[m] + a
+            return h, mla.rms_norm(h, lp["ffn_norm"], eps), kv_m
+
+        def flat(t):
+            return t.reshape(-1, t.shape[-1])
+
+        h0, n0, kv0 = attend(0)
+        s0 = ep_dispatch(p, cfg, flat(n0), ep)                  # a2a(0) in flight ...
+        h1, n1, kv1 = attend(1)                                 # ... under attn(1)
+        r0 = ep_compute(p, s0[0], s0[1], ep)
+        s1 = ep_dispatch(p, cfg, flat(n1), ep)                  # a2a(1) under experts(0)
+        y0 = ep_combine(r0, s0[2], s0[3], ep, n0.dtype)
+        r1 = ep_compute(p, s1[0], s1[1], ep)                    # experts(1) under combine(0)
+        y1 = ep_combine(r1, s1[2], s1[3], ep, n1.dtype)
+        moe_lib.record_stat(s0[4] + s1[4])
+        out = []
+        for h, n, y in ((h0, n0, y0), (h1, n1, y1)):
+            y = y.reshape(h.shape)
+            if cfg.n_shared_experts:
+                s = p["shared"]
+                y = y + moe_lib.swiglu(n, s["w_gate"], s["w_up"], s["w_down"])
+            out.append(h + y)
+        x = out
+        new_kv.append(jnp.concatenate([kv0, kv1]))
+    return jnp.concatenate(x), new_kv
+
+
+# ---- timeline model ------------------------------------------------------------------------
+
+def overlap_timeline(t_attn: float, t_experts: float, t_dispatch: float, t_combine: float | None = None,
+                     num_layers: int = 1, dbo: bool = True) -> dict:
+    """Predicted step time of ``num_layers`` MoE layers on two streams (compute, comm).
+
+    Times are for the whole batch; with DBO each op takes half its time per micro-batch.
+    Each stream runs its ops in program order, each as early as its inputs allow.
+    Returns {"makespan", "compute_busy", "comm_busy", "events": [(stream, name, start, end)]}.
+    """
+    for name, v in (("t_attn", t_attn), ("t_experts", t_experts), ("t_dispatch", t_dispatch)):
+        if not v >= 0:
+            raise ValueError(f"{name} must be >= 0, got {v}")
+    t_combine = t_dispatch if t_combine is None else t_combine
+    if not t_combine >= 0:
+        raise ValueError(f"t_combine must be >= 0, got {t_combine}")
+    if not isinstance(num_layers, int) or num_layers <= 0:
+        raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
+    mbs = (0, 1) if dbo else (0,)
+    scale = 0.5 if dbo else 1.0
+    free = {"compute": 0.0, "comm": 0.0}
+    done: dict = {}
+    events = []
+
+    def run(stream, name, dur, *deps):
+        start = max([free[stream]] + [done[d] for d in deps])
+        end = start + dur * scale
+        free[stream] = done[name] = end
+        events.append((stream, name, start, end))
+
+    prev = {m: None for m in mbs}
+    for l in range(num_layers):
+        order = ([("A", 0), ("D", 0), ("A", 1), ("E", 0), ("D", 1), ("C", 0), ("E", 1), ("C", 1)]
+                 if dbo else [("A", 0), ("D", 0), ("E", 0), ("C", 0)])
+        for kind, m in order:
+            name = f"{kind}{m}.{l}"
+            if kind == "A":
+                run("compute", name, t_attn, *([prev[m]] if prev[m] else []))
+            elif kind == "D":
+                run("comm", name, t_dispatch, f"A{m}.{l}")
+            elif kind == "E":
+                run("compute", name, t_experts, f"D{m}.{l}")
+            else:
+                run("comm", name, t_combine, f"E{m}.{l}")
+                prev[m] = name
+    makespan = max(done.values())
+    busy = {s: sum(e - b for st, _, b, e in events if st == s) for s in free}
+    return {"makespan": makespan, "compute_busy": busy["compute"], "comm_busy": busy["comm"], "events": events}
+
+
+def dbo_gain(t_compute: float, t_comm: float, attn_share: float = 0.5, num_layers: int = 4) -> float:
+    """Predicted speed-up of DBO over serial execution for a compute time split between
+    attention (``attn_share``) and experts, and a communication time split evenly between
+    dispatch and combine."""
+    if not 0 <= attn_share <= 1:
+        raise ValueError(f"attn_share must be in [0, 1], got {attn_share}")
+    args = (t_compute * attn_share, t_compute * (1 - attn_share), t_comm / 2, t_comm / 2, num_layers)
+    return overlap_timeline(*args, dbo=False)["makespan"] / overlap_timeline(*args, dbo=True)["makespan"]
