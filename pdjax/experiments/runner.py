@@ -32,9 +32,15 @@ def _bubble_sweep(cfg, out_dir):
     return summary
 
 
+def _dbo_sweep(cfg, out_dir):
+    from pdjax.experiments.dbo_sweep import run_dbo_sweep
+    return run_dbo_sweep(cfg, out_dir)
+
+
 EXPERIMENTS: dict[str, Callable[[dict, str], dict]] = {
     "quickstart": _quickstart,
     "bubble_sweep": _bubble_sweep,
+    "dbo_sweep": _dbo_sweep,
 }
 
 

@@ -59,3 +59,12 @@ def test_cli_reports_bad_config_without_traceback(tmp_path, capsys):
     cfg.write_text('kind = "nope"')
     assert cli.main(["run", str(cfg)]) == 2
     assert "kind" in capsys.readouterr().err
+
+
+def test_dbo_sweep_experiment(tmp_path):
+    cfg = tmp_path / "d.toml"
+    cfg.write_text('kind = "dbo_sweep"\n[sweep]\nratios = [0.5, 1.0, 2.0]\nattn_shares = [0.5]\nnum_layers = 2\n')
+    out_dir, summary = runner.run(str(cfg), runs_dir=str(tmp_path / "runs"))
+    gains = {r["comm_over_compute"]: r["gain"] for r in summary["rows"]}
+    assert gains[1.0] == max(gains.values()) and all(g > 1 for g in gains.values())
+    assert os.path.exists(os.path.join(out_dir, "dbo_gain.png"))
