@@ -39,6 +39,13 @@ class KVCache:
         """Bytes one token occupies across all layers (layers * (C+R) * itemsize)."""
         return sum(x.shape[2] * x.dtype.itemsize for x in self.kv)
 
+    def layers(self) -> tuple:
+        """What each layer's attention reads and writes (here: the [B,S,C+R] arrays)."""
+        return self.kv
+
+    def with_layers(self, layers, lengths) -> "KVCache":
+        return KVCache(kv=tuple(layers), lengths=lengths)
+
     def stacked(self) -> jax.Array:
         """All layers as one array [layers, B, S_max, C+R] (a copy)."""
         return jnp.stack(self.kv)

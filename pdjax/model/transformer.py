@@ -70,9 +70,10 @@ def ffn(lp, cfg: ModelConfig, x_BTD, moe_impl=None):
 def attention(lp, cfg: ModelConfig, x_BTD, q_pos_BT, kv_layer_BSL=None, start_B=None, absorbed=False):
     """Self-attention sub-layer (input already normed). Returns (out [B,T,D], kv).
 
-    Without a cache the chunk attends to itself (causal). With ``kv_layer_BSL`` the new
-    latents are written at ``start_B`` and the chunk attends to the whole cached prefix;
-    the updated layer cache is returned.
+    Without a cache the chunk attends to itself (causal) and its new latents [B,T,C+R] are
+    returned. With ``kv_layer_BSL`` (a contiguous [B,S,C+R] array or a paged layer) the new
+    latents are written at ``start_B`` and the chunk attends to the whole cached prefix; the
+    updated layer cache is returned.
     """
     p = lp["attn"]
     cos, sin = mla.rope_cos_sin(cfg, q_pos_BT)
@@ -80,13 +81,17 @@ def attention(lp, cfg: ModelConfig, x_BTD, q_pos_BT, kv_layer_BSL=None, start_B=
     new_BTL = mla.project_kv_latent(p, cfg, x_BTD, cos, sin)
     if kv_layer_BSL is None:
         T = x_BTD.shape[1]
-        kv, mask = new_BTL, jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (x_BTD.shape[0], T, T))
+        kv = view = new_BTL
+        mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (x_BTD.shape[0], T, T))
     else:
-        kv = write_rows(kv_layer_BSL, new_BTL, start_B)
-        mask = mla.causal_mask(q_pos_BT, kv.shape[1])
+        if hasattr(kv_layer_BSL, "write_and_view"):      # paged: blocks + block tables
+            kv, view = kv_layer_BSL.write_and_view(new_BTL, start_B)
+        else:
+            kv = view = write_rows(kv_layer_BSL, new_BTL, start_B)
+        mask = mla.causal_mask(q_pos_BT, view.shape[1])
     attend = mla.attend_absorbed if absorbed else mla.attend_naive
-    o = attend(p, cfg, q_nope, q_pe, kv, mask)
-    return mla.output_proj(p, o), (new_BTL if kv_layer_BSL is None else kv)
+    o = attend(p, cfg, q_nope, q_pe, view, mask)
+    return mla.output_proj(p, o), kv
 
 
 def layer(lp, cfg: ModelConfig, x_BTD, q_pos_BT, kv_layer_BSL=None, start_B=None,
@@ -150,8 +155,9 @@ def run_with_cache(params, cfg, tokens_BT, cache, new_lengths_B, absorbed=False,
     """Unjitted chunk through the model with a cache (prefill chunk or decode step)."""
     start = cache.lengths
     q_pos = start[:, None] + jnp.arange(tokens_BT.shape[1], dtype=jnp.int32)[None, :]
-    x, new_kv = run_layers(params, cfg, embed(params, tokens_BT), q_pos, cache.kv, start, absorbed, moe_impl)
-    return head(params, cfg, x), KVCache(kv=tuple(new_kv), lengths=start + new_lengths_B)
+    x, new_kv = run_layers(params, cfg, embed(params, tokens_BT), q_pos, cache.layers(), start, absorbed,
+                           moe_impl)
+    return head(params, cfg, x), cache.with_layers(new_kv, start + new_lengths_B)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "absorbed", "moe_impl"), donate_argnames=("cache",))

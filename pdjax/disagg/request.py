@@ -1,0 +1,118 @@
+"""Requests, their validation, sampling parameters and per-request metrics."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class RequestError(ValueError):
+    """A request that cannot be served (bad prompt, bad parameters). It fails alone: the
+    other requests of the batch still finish. Engines return it in place of the tokens."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 = greedy; otherwise softmax(logits / temperature) restricted to the
+    smallest set of tokens whose probability reaches top_p, drawn with a key derived from
+    (seed, generation index), so a request samples the same tokens wherever it runs."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclasses.dataclass
+class Request:
+    index: int
+    prompt: list
+    max_new_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop_tokens: tuple = ()
+    retention: str = "chat"
+    output: list = dataclasses.field(default_factory=list)
+    error: Optional[RequestError] = None
+    # metrics (seconds since the engine's clock start)
+    arrival: float = 0.0
+    first_token_time: Optional[float] = None
+    token_times: list = dataclasses.field(default_factory=list)
+    finish_time: Optional[float] = None
+    kv_bytes_sent: int = 0
+    prefix_hit_tokens: int = 0
+    kv_wait_s: float = 0.0
+    prefill_attempts: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.error is not None or self.finish_time is not None
+
+    def metrics(self) -> dict:
+        t = self.token_times
+        tpot = (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
+        return {"index": self.index, "prompt_tokens": len(self.prompt), "new_tokens": len(self.output),
+                "ttft": None if self.first_token_time is None else self.first_token_time - self.arrival,
+                "tpot": tpot, "itl": [b - a for a, b in zip(t, t[1:])],
+                "e2e": None if self.finish_time is None else self.finish_time - self.arrival,
+                "kv_bytes_sent": self.kv_bytes_sent, "prefix_hit_tokens": self.prefix_hit_tokens,
+                "kv_wait_s": self.kv_wait_s, "prefill_attempts": self.prefill_attempts,
+                "error": None if self.error is None else str(self.error)}
+
+
+def validate_request(req: Request, vocab_size: int, max_context: int) -> None:
+    """Raise RequestError naming the problem (caught per request by the engines)."""
+    if not isinstance(req.max_new_tokens, (int, np.integer)) or req.max_new_tokens <= 0:
+        raise RequestError(f"request {req.index}: max_new_tokens must be a positive integer, "
+                           f"got {req.max_new_tokens!r}")
+    if len(req.prompt) == 0:
+        raise RequestError(f"request {req.index}: empty prompt")
+    arr = np.asarray(req.prompt)
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise RequestError(f"request {req.index}: prompt must hold integer token ids")
+    bad = arr[(arr < 0) | (arr >= vocab_size)]
+    if bad.size:
+        raise RequestError(f"request {req.index}: token id {int(bad[0])} outside [0, vocab_size={vocab_size})")
+    need = len(req.prompt) + req.max_new_tokens
+    if need > max_context:
+        raise RequestError(f"request {req.index}: prompt ({len(req.prompt)}) + max_new_tokens "
+                           f"({req.max_new_tokens}) exceeds the context of {max_context} tokens")
+
+
+@jax.jit
+def sample(logits_SV, temperature_S, top_p_S, seed_S, step_S):
+    """One token per row: greedy where temperature is 0, else top-p sampling keyed by
+    (seed, generation step)."""
+    greedy = jnp.argmax(logits_SV, axis=-1)
+    t = jnp.maximum(temperature_S, 1e-6)[:, None]
+    scaled = logits_SV / t
+    order = jnp.argsort(-scaled, axis=-1)
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs          # mass of strictly better tokens
+    keep_sorted = before < top_p_S[:, None]
+    masked_sorted = jnp.where(keep_sorted, sorted_logits, -jnp.inf)
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seed_S, step_S)
+    pick = jax.vmap(jax.random.categorical)(keys, masked_sorted)
+    sampled = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0]
+    return jnp.where(temperature_S > 0, sampled, greedy).astype(jnp.int32)
+
+
+class Clock:
+    def __init__(self):
+        self.t0 = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+TokenCallback = Callable[[int, int], None]
