@@ -59,11 +59,18 @@ class PDEngine:
         self.stats: dict = {}
 
     # ---- prefill side --------------------------------------------------------------------
-    def _prefill_loop(self, todo: "queue.Queue", inbox: "queue.Queue", clock: Clock):
-        while True:
-            req = todo.get()
-            if req is None:
-                return
+    def _prefill_loop(self, todo, inbox, clock, stop):
+        try:
+            self._prefill_requests(todo, inbox, clock, stop)
+        except BaseException as e:  # noqa: BLE001 - never leave the decode loop waiting
+            inbox.put(("crashed", e))
+
+    def _prefill_requests(self, todo: "queue.Queue", inbox: "queue.Queue", clock: Clock, stop: threading.Event):
+        while not stop.is_set():
+            try:
+                req = todo.get(timeout=0.05)
+            except queue.Empty:
+                continue
             res = None
             while res is None:
                 res = self.decode.reserve(req)
@@ -109,13 +116,14 @@ class PDEngine:
         for r in reqs:
             if r.error is None:
                 todo.put(r)
-        todo.put(None)
-        worker = threading.Thread(target=self._prefill_loop, args=(todo, inbox, clock), daemon=True)
+        stop = threading.Event()
+        worker = threading.Thread(target=self._prefill_loop, args=(todo, inbox, clock, stop), daemon=True)
         worker.start()
         queue_depth = []
         try:
             self._decode_loop(reqs, todo, inbox, clock, on_token, queue_depth)
         finally:
+            stop.set()
             worker.join(timeout=60)
         self._record_stats(reqs, clock, queue_depth)
         return [r.error if r.error is not None else list(r.output) for r in reqs]
@@ -148,6 +156,8 @@ class PDEngine:
                 except queue.Empty:
                     break
             for msg in msgs:
+                if msg[0] == "crashed":
+                    raise RuntimeError("the prefill worker crashed") from msg[1]
                 kind, h = msg[0], msg[1]
                 req = h.res.request
                 if kind == "layer":
@@ -159,8 +169,7 @@ class PDEngine:
                                                  f"{req.prefill_attempts} times: {msg[2]}")
                         remaining -= 1
                     else:
-                        todo.put(req)                      # re-prefill; the sentinel may be gone:
-                        todo.put(None) if todo.empty() else None
+                        todo.put(req)                      # prefill it again
                 else:                                      # "ready": all layers sent
                     req.kv_bytes_sent += h.bytes
                     if self._emit(req, msg[2], clock, on_token):
