@@ -50,3 +50,14 @@ __all__ = [
     "quickstart_section", "register_hardware", "report", "to_bytes", "tokens_per_expert",
     "tokens_per_expert_at_balance", "unit_bytes", "unregister_hardware", "utilisation_bound", "weight_intensity",
 ]
+
+# Cost model (docs/analysis.md, "Cost model"): roofline op costs, the fitted prefill cost
+# a q^2 + b q c + g q and its time-budget inverse, calibration against the real prefill.
+from pdjax.analysis.costmodel import (Efficiency, OpCost, RooflineCostModel,  # noqa: E402
+                                      expected_distinct_experts)
+from pdjax.analysis.costmodel_calibrate import (CalibrationResult, calibrate,  # noqa: E402
+                                                measure_prefill)
+from pdjax.analysis.costmodel_fit import PrefillCostFit, fit_prefill_cost  # noqa: E402
+
+__all__ += ["CalibrationResult", "Efficiency", "OpCost", "PrefillCostFit", "RooflineCostModel",
+            "calibrate", "expected_distinct_experts", "fit_prefill_cost", "measure_prefill"]
