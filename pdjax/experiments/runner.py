@@ -37,10 +37,20 @@ def _dbo_sweep(cfg, out_dir):
     return run_dbo_sweep(cfg, out_dir)
 
 
+def _sim(kind):
+    def run(cfg, out_dir):
+        from pdjax.sim.experiments import RUNNERS
+        return RUNNERS[kind](cfg, out_dir)
+    return run
+
+
 EXPERIMENTS: dict[str, Callable[[dict, str], dict]] = {
     "quickstart": _quickstart,
     "bubble_sweep": _bubble_sweep,
     "dbo_sweep": _dbo_sweep,
+    # serving simulation (pdjax.sim)
+    **{k: _sim(k) for k in ("colocated_vs_pd", "pd_ratio_sweep", "afd_ratio_sweep", "link_bandwidth",
+                            "prefix_cache_capacity")},
 }
 
 

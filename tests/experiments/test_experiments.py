@@ -68,3 +68,12 @@ def test_dbo_sweep_experiment(tmp_path):
     gains = {r["comm_over_compute"]: r["gain"] for r in summary["rows"]}
     assert gains[1.0] == max(gains.values()) and all(g > 1 for g in gains.values())
     assert os.path.exists(os.path.join(out_dir, "dbo_gain.png"))
+
+
+def test_every_experiment_config_names_a_known_kind():
+    import glob
+    files = sorted(glob.glob(os.path.join(ROOT, "experiments", "*.toml")))
+    assert len(files) >= 8
+    for f in files:
+        cfg = runner.load_config(f)
+        assert cfg["kind"] in runner.EXPERIMENTS, f

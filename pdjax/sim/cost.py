@@ -1,0 +1,249 @@
+"""Step-time cost models for the serving simulator.
+
+The simulator asks a cost model four questions (:class:`StepCostModel`); any object with
+these methods works, e.g. ``pdjax.analysis.costmodel.RooflineCostModel``:
+
+* ``prefill_step_time(chunks)``: seconds of one batched prefill step, ``chunks`` a list
+  of ``(q, c)`` pairs (q new tokens of a request, c tokens of it already cached);
+* ``decode_step_time(kv_lens)``: seconds of one decode step of ``len(kv_lens)`` requests,
+  each attending to ``kv_lens[i]`` cached tokens;
+* ``kv_transfer_time(num_tokens, link_bw)``: seconds to push ``num_tokens`` tokens of KV
+  over a link of ``link_bw`` bytes/s;
+* ``kv_bytes_per_token()``: KV bytes per token over all layers.
+
+AF disaggregation additionally needs the decode step split into its attention side and
+its FFN side (:class:`AFDCostModel`): ``decode_attention_time(kv_lens)`` and
+``decode_ffn_time(num_tokens)``.
+
+:class:`LinearStepCost` is the simple linear model of Vidur / DistServe:
+
+    prefill = c0 + c1 * sum(q) + c2 * sum(q*c) + c3 * sum(q^2) + c4 * sum(c)
+    decode  = d0 + d1 * n + d2 * sum(kv_lens)
+    kv transfer = tokens * kv_bytes_per_token / bw
+
+``LinearStepCost.from_roofline(cfg, hw)`` derives every coefficient from a ModelConfig
+and a hardware preset (see its docstring); nothing is typed in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Protocol, Sequence, runtime_checkable
+
+from pdjax.analysis import (attention_flops_per_token, hardware, kv_bytes_per_token,
+                            param_counts)
+from pdjax.analysis.hardware import normalise_dtype
+from pdjax.analysis.kv import free_memory_bytes
+
+PROTOCOL_METHODS = ("prefill_step_time", "decode_step_time", "kv_transfer_time",
+                    "kv_bytes_per_token")
+AFD_METHODS = ("decode_attention_time", "decode_ffn_time")
+
+
+@runtime_checkable
+class StepCostModel(Protocol):
+    """What the simulator needs from a cost model (all times in seconds)."""
+
+    def prefill_step_time(self, chunks: Sequence[tuple[int, int]]) -> float: ...
+
+    def decode_step_time(self, kv_lens: Sequence[int]) -> float: ...
+
+    def kv_transfer_time(self, num_tokens: int, link_bw: float) -> float: ...
+
+    def kv_bytes_per_token(self) -> int: ...
+
+
+@runtime_checkable
+class AFDCostModel(StepCostModel, Protocol):
+    """A cost model that can split a decode step into attention and FFN sides."""
+
+    def decode_attention_time(self, kv_lens: Sequence[int]) -> float: ...
+
+    def decode_ffn_time(self, num_tokens: int) -> float: ...
+
+
+def check_cost_model(cost, afd: bool = False):
+    """Return ``cost`` if it has the protocol's methods, else TypeError naming the missing."""
+    needed = PROTOCOL_METHODS + (AFD_METHODS if afd else ())
+    missing = [m for m in needed if not callable(getattr(cost, m, None))]
+    if missing:
+        what = "an AF-disaggregated deployment" if afd else "the serving simulator"
+        raise TypeError(f"cost model {type(cost).__name__} lacks {missing}, needed by {what}")
+    return cost
+
+
+def num_layers_of(cost, default: int = 1) -> int:
+    """Layer count of a cost model (``num_layers`` or ``cfg.num_hidden_layers``)."""
+    n = getattr(cost, "num_layers", None)
+    if n is None:
+        cfg = getattr(cost, "cfg", None)
+        n = getattr(cfg, "num_hidden_layers", None)
+    return int(n) if n else default
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearStepCost:
+    """Linear step-time model; all coefficients in seconds (per step, per token, per
+    token pair). The decode step splits into an attention side (``a0 + a1*n + d2*sum(kv)``)
+    and an FFN side (``f0 + f1*n``) so that ``d0 = a0 + f0`` and ``d1 = a1 + f1``.
+
+    Use :meth:`from_roofline` for coefficients derived from a config and a hardware preset;
+    pass coefficients directly for a fitted model.
+    """
+
+    c0: float
+    c1: float
+    c2: float
+    c3: float
+    a0: float
+    a1: float
+    f0: float
+    f1: float
+    d2: float
+    kv_bytes: int
+    c4: float = 0.0
+    num_layers: int = 1
+    hidden_size: int = 0
+    act_bytes: int = 2
+    experts_per_token: int = 1
+    kv_capacity: Optional[float] = None        # tokens an instance can hold (colocated/decode)
+    kv_capacity_attention: Optional[float] = None  # tokens an AF attention instance can hold
+    cfg: object = dataclasses.field(default=None, repr=False, compare=False)
+    note: str = ""
+
+    def __post_init__(self):
+        for f in ("c0", "c1", "c2", "c3", "c4", "a0", "a1", "f0", "f1", "d2"):
+            v = getattr(self, f)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"LinearStepCost.{f} must be a finite number >= 0, got {v!r}")
+        if self.kv_bytes <= 0:
+            raise ValueError(f"LinearStepCost.kv_bytes must be > 0, got {self.kv_bytes!r}")
+
+    # ---- derived coefficients -------------------------------------------------------
+    @property
+    def d0(self) -> float:
+        return self.a0 + self.f0
+
+    @property
+    def d1(self) -> float:
+        return self.a1 + self.f1
+
+    # ---- protocol --------------------------------------------------------------------
+    def prefill_step_time(self, chunks: Sequence[tuple[int, int]]) -> float:
+        if not chunks:
+            return 0.0
+        sq = sqc = sq2 = sc = 0
+        for q, c in chunks:
+            sq += q
+            sqc += q * c
+            sq2 += q * q
+            sc += c
+        return self.prefill_step_time_totals(sq, sqc, sq2, sc)
+
+    def prefill_step_time_totals(self, sum_q, sum_qc, sum_q2, sum_c=0) -> float:
+        """Fast path: the prefill step time from the sums over its chunks."""
+        return self.c0 + self.c1 * sum_q + self.c2 * sum_qc + self.c3 * sum_q2 + self.c4 * sum_c
+
+    def decode_step_time(self, kv_lens: Sequence[int]) -> float:
+        if not len(kv_lens):
+            return 0.0
+        return self.decode_step_time_totals(len(kv_lens), sum(kv_lens))
+
+    def decode_step_time_totals(self, n: int, sum_kv: float) -> float:
+        """Fast path: decode step time of ``n`` requests holding ``sum_kv`` tokens in all."""
+        return self.d0 + self.d1 * n + self.d2 * sum_kv
+
+    def decode_attention_time(self, kv_lens: Sequence[int]) -> float:
+        """Attention side of a decode step (all layers): attention weights, per-token
+        attention-side FLOPs and the KV read."""
+        if not len(kv_lens):
+            return 0.0
+        return self.a0 + self.a1 * len(kv_lens) + self.d2 * sum(kv_lens)
+
+    def decode_attention_time_totals(self, n: int, sum_kv: float) -> float:
+        return self.a0 + self.a1 * n + self.d2 * sum_kv if n else 0.0
+
+    def decode_ffn_time(self, num_tokens: int) -> float:
+        """FFN side of a decode step (all layers): expert / MLP weights and FLOPs."""
+        return self.f0 + self.f1 * num_tokens if num_tokens else 0.0
+
+    def kv_transfer_time(self, num_tokens: int, link_bw: float) -> float:
+        if not (isinstance(link_bw, (int, float)) and link_bw > 0 and math.isfinite(link_bw)):
+            raise ValueError(f"link_bw must be a positive number of bytes/s, got {link_bw!r}")
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens!r}")
+        return num_tokens * self.kv_bytes / link_bw
+
+    def kv_bytes_per_token(self) -> int:
+        return self.kv_bytes
+
+    def afd_exchange_bytes(self, num_ffn: int) -> float:
+        """One-way bytes per token per layer of the attention<->FFN exchange: the hidden
+        state (``act_bytes`` per element) sent to min(top-k, N) FFN instances."""
+        return self.hidden_size * self.act_bytes * min(self.experts_per_token, num_ffn)
+
+    # ---- derivation ------------------------------------------------------------------
+    @classmethod
+    def from_roofline(cls, cfg, hw, dtype: str = "bf16", dtype_bytes: Optional[float] = None,
+                      kv_dtype_bytes: Optional[float] = None, ep_size: int = 1,
+                      mfu: float = 1.0, mbu: float = 1.0) -> "LinearStepCost":
+        """Coefficients from a roofline of ``cfg`` on ``ep_size`` accelerators ``hw``.
+
+        With R = ep_size * peak(dtype) * mfu, BW = ep_size * hbm_bw * mbu, p = weight
+        bytes, N_a the active params (pdjax.analysis.param_counts):
+
+        * c0 = a0 + f0 = weight bytes read per step / BW (every weight but the input
+          embedding, a row lookup; all experts are assumed touched), the memory floor;
+        * c1 = 2 * N_a / R (weight FLOPs per new token);
+        * c2 = attention FLOPs per (new token, cached token) pair / R
+          (``attention_flops_per_token(cfg, 1)`` per layer, all layers); c3 = c2 / 2
+          (causal: q new tokens form ~q^2/2 pairs); c4 = KV bytes per token / BW (reading
+          a chunk's cached prefix once);
+        * decode: a1 + f1 = c1 split into attention-side and FFN-side params (FFN side =
+          routed + shared experts + dense MLPs), a0 / f0 the matching weight reads;
+          d2 = max(KV bytes per token / BW, attention FLOPs per cached token / R).
+
+        The linear form adds the memory floor to the compute term: exact in both limits,
+        up to 2x pessimistic at the balance point (the Vidur/DistServe form). ``mfu`` and
+        ``mbu`` (default 1: pure roofline) scale peak compute and bandwidth. A hardware
+        spec without a needed figure raises ValueError (from ``HardwareSpec.require``).
+        ``kv_capacity`` = (ep_size * HBM - all weights) / KV bytes per token;
+        ``kv_capacity_attention`` the same with the attention-side weights only.
+        """
+        hw = hardware(hw)
+        dtype = normalise_dtype(dtype)
+        p = dtype_bytes if dtype_bytes is not None else (1 if dtype == "fp8" else 2)
+        kvp = kv_dtype_bytes if kv_dtype_bytes is not None else p
+        if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
+            raise ValueError(f"ep_size must be a positive integer, got {ep_size!r}")
+        for name, v in (("mfu", mfu), ("mbu", mbu)):
+            if not (0 < v <= 1):
+                raise ValueError(f"{name} must lie in (0, 1], got {v!r}")
+        peak = ep_size * hw.peak_flops(dtype) * mfu
+        bw = ep_size * hw.require("hbm_bw", "the linear step-cost model") * mbu
+        counts = param_counts(cfg)
+        ffn_total = counts.routed_experts + counts.shared_experts + counts.dense_mlp
+        ffn_active = counts.routed_active + counts.shared_experts + counts.dense_mlp
+        attn_resident = counts.total - ffn_total             # incl. embedding and head
+        attn_read = attn_resident - (0 if cfg.tie_word_embeddings else counts.embedding)
+        attn_active = counts.active - ffn_active
+        kv_b = kv_bytes_per_token(cfg, dtype_bytes=kvp, attention="mla")
+        pair_flops = attention_flops_per_token(cfg, 1) * cfg.num_hidden_layers
+        c2 = pair_flops / peak
+        capacity = capacity_attn = None
+        if hw.hbm_bytes is not None:
+            hbm = ep_size * hw.hbm_bytes
+            if hbm > counts.total * p:
+                capacity = free_memory_bytes(hbm, counts.total * p) / kv_b
+            if hbm > attn_resident * p:
+                capacity_attn = free_memory_bytes(hbm, attn_resident * p) / kv_b
+        return cls(
+            c0=(attn_read + ffn_total) * p / bw, c1=2 * counts.active / peak, c2=c2, c3=c2 / 2,
+            c4=kv_b / bw, a0=attn_read * p / bw, a1=2 * attn_active / peak,
+            f0=ffn_total * p / bw, f1=2 * ffn_active / peak, d2=max(kv_b / bw, c2),
+            kv_bytes=int(kv_b), num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
+            act_bytes=int(p), experts_per_token=max(1, cfg.num_experts_per_tok),
+            kv_capacity=capacity, kv_capacity_attention=capacity_attn, cfg=cfg,
+            note=f"roofline of {cfg.model_type} on {ep_size} x {hw.name} {dtype}, "
+                 f"mfu={mfu:g}, mbu={mbu:g}")

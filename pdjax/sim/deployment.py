@@ -1,0 +1,154 @@
+"""Deployment descriptions: colocated, PD-disaggregated, AF-disaggregated.
+
+Sizes are per *instance*: the cost model gives one instance's step time (an instance may
+span several accelerators: see ``LinearStepCost.from_roofline(ep_size=...)``). Capacities
+are in KV tokens per instance (None: the cost model's ``kv_capacity`` /
+``kv_capacity_attention`` when it has one, else unlimited). Bandwidths are bytes/s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+from pdjax.sim.controller import ControllerConfig
+from pdjax.sim.policies import DEFAULT_BUCKET_EDGES, check_edges
+
+
+def _pos_int(owner, name, v, minimum=1):
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ValueError(f"{owner}.{name} must be an integer >= {minimum}, got {v!r}")
+
+
+def _pos(owner, name, v, allow_none=False):
+    if v is None and allow_none:
+        return
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{owner}.{name} must be a finite number > 0, got {v!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Colocated:
+    """``num_instances`` instances each doing prefill and decode: continuous batching,
+    Sarathi-style chunked prefill with ``token_budget`` tokens per step (running decodes
+    take one each), or the largest chunks fitting ``time_budget`` seconds per step."""
+
+    num_instances: int
+    token_budget: int = 2048
+    time_budget: Optional[float] = None
+    kv_capacity: Optional[float] = None
+    max_batch: Optional[int] = None
+
+    kind = "colocated"
+
+    def __post_init__(self):
+        _pos_int("Colocated", "num_instances", self.num_instances)
+        _pos_int("Colocated", "token_budget", self.token_budget)
+        _pos("Colocated", "time_budget", self.time_budget, allow_none=True)
+        _pos("Colocated", "kv_capacity", self.kv_capacity, allow_none=True)
+        if self.max_batch is not None:
+            _pos_int("Colocated", "max_batch", self.max_batch)
+
+    @property
+    def num_instances_total(self) -> int:
+        return self.num_instances
+
+
+@dataclasses.dataclass(frozen=True)
+class PDDisaggregated:
+    """``num_prefill`` prefill and ``num_decode`` decode instances.
+
+    Prefill: ``dp_ranks`` ranks per instance, ``token_budget`` tokens per rank per step (or
+    ``time_budget`` seconds), length buckets ``bucket_edges`` with ``bucket_instances``
+    (per bucket, the prefill instance indices serving it; None: all serve all), compute
+    ``quotas`` per instance. KV leaves each prefill instance over a link of ``link_bw``
+    bytes/s, layer by layer (``layerwise``) over ``num_layers`` layers (None: the cost
+    model's). Decode: ``kv_capacity`` tokens and ``max_batch`` requests per instance,
+    reserved at the handshake before prefill; requests of >= ``long_threshold`` tokens are
+    balanced by KV length, shorter ones by running count. ``controller``: dynamic P:D.
+    """
+
+    num_prefill: int
+    num_decode: int
+    link_bw: float
+    token_budget: int = 16384
+    time_budget: Optional[float] = None
+    dp_ranks: int = 1
+    layerwise: bool = True
+    num_layers: Optional[int] = None
+    kv_capacity: Optional[float] = None
+    max_batch: Optional[int] = None
+    bucket_edges: tuple = DEFAULT_BUCKET_EDGES
+    bucket_instances: Optional[tuple] = None
+    quotas: Optional[tuple] = None
+    long_threshold: int = DEFAULT_BUCKET_EDGES[0]
+    controller: Optional[ControllerConfig] = None
+
+    kind = "pd"
+
+    def __post_init__(self):
+        o = type(self).__name__
+        _pos_int(o, "num_prefill", self.num_prefill)
+        _pos_int(o, "num_decode", self.num_decode)
+        _pos(o, "link_bw", self.link_bw)
+        _pos_int(o, "token_budget", self.token_budget)
+        _pos(o, "time_budget", self.time_budget, allow_none=True)
+        _pos_int(o, "dp_ranks", self.dp_ranks)
+        if self.num_layers is not None:
+            _pos_int(o, "num_layers", self.num_layers)
+        _pos(o, "kv_capacity", self.kv_capacity, allow_none=True)
+        if self.max_batch is not None:
+            _pos_int(o, "max_batch", self.max_batch)
+        object.__setattr__(self, "bucket_edges", check_edges(self.bucket_edges))
+        _pos_int(o, "long_threshold", self.long_threshold)
+        if self.quotas is not None:
+            if len(self.quotas) != self.num_prefill or min(self.quotas) <= 0:
+                raise ValueError(f"{o}.quotas needs {self.num_prefill} positive numbers, got {self.quotas}")
+        if self.bucket_instances is not None:
+            bi = tuple(tuple(int(i) for i in b) for b in self.bucket_instances)
+            if len(bi) != len(self.bucket_edges) + 1:
+                raise ValueError(f"{o}.bucket_instances needs {len(self.bucket_edges) + 1} lists "
+                                 f"(one per length bucket), got {len(bi)}")
+            for b, members in enumerate(bi):
+                if not members or any(not 0 <= i < self.num_prefill for i in members):
+                    raise ValueError(f"{o}.bucket_instances[{b}] must list prefill instance indices "
+                                     f"in [0, {self.num_prefill}), got {members}")
+            if self.controller is not None:
+                raise ValueError(f"{o}: bucket_instances and a dynamic controller cannot be combined")
+            object.__setattr__(self, "bucket_instances", bi)
+
+    @property
+    def num_instances_total(self) -> int:
+        return self.num_prefill + self.num_decode
+
+
+@dataclasses.dataclass(frozen=True)
+class AFDisaggregated(PDDisaggregated):
+    """PD with the decode pool made of ``num_decode`` AF units, each ``num_attention`` (M)
+    attention instances (DP ranks holding the KV: ``kv_capacity`` and ``max_batch`` are per
+    attention instance) and ``num_ffn`` (N) FFN instances, with ``microbatches`` ping-pong
+    micro-batches and an exchange link of ``exchange_bw`` bytes/s per attention instance
+    (None: ``link_bw``)."""
+
+    num_attention: int = 1
+    num_ffn: int = 1
+    microbatches: int = 2
+    exchange_bw: Optional[float] = None
+    exchange_bytes: Optional[float] = None
+
+    kind = "afd"
+
+    def __post_init__(self):
+        super().__post_init__()
+        _pos_int("AFDisaggregated", "num_attention", self.num_attention)
+        _pos_int("AFDisaggregated", "num_ffn", self.num_ffn)
+        _pos_int("AFDisaggregated", "microbatches", self.microbatches)
+        _pos("AFDisaggregated", "exchange_bw", self.exchange_bw, allow_none=True)
+        _pos("AFDisaggregated", "exchange_bytes", self.exchange_bytes, allow_none=True)
+        if self.controller is not None:
+            raise ValueError("AFDisaggregated: the dynamic P:D controller is for PD deployments")
+
+    @property
+    def num_instances_total(self) -> int:
+        return self.num_prefill + self.num_decode * (self.num_attention + self.num_ffn)
