@@ -126,14 +126,20 @@ def _masked_softmax(scores_BHTS, mask_BTS):
 
 
 def attend_naive(p, cfg: ModelConfig, q_nope, q_pe, kv_BSL, mask_BTS):
-    """Reference MLA: per-head keys/values expanded from the latent. Returns [B,T,H,V]."""
+    """Reference MLA: per-head keys/values expanded from the latent. Returns [B,T,H,V].
+
+    Heads sit next to the batch (B,H leading) so both attention GEMMs are plain batched
+    matmuls, and the shared rope key joins each head's key for one (K+R)-wide dot."""
     c_BSC, k_pe_BSR = jnp.split(kv_BSL, [cfg.kv_lora_rank], axis=-1)
-    k_nope_BSHK = jnp.einsum("BSC,CHK->BSHK", c_BSC, p["wk_b"])
-    v_BSHV = jnp.einsum("BSC,CHV->BSHV", c_BSC, p["wv_b"])
-    scores = (jnp.einsum("BTHK,BSHK->BHTS", q_nope, k_nope_BSHK)
-              + jnp.einsum("BTHR,BSR->BHTS", q_pe, k_pe_BSR)) * cfg.softmax_scale
-    probs = _masked_softmax(scores, mask_BTS).astype(v_BSHV.dtype)
-    return jnp.einsum("BHTS,BSHV->BTHV", probs, v_BSHV)
+    k_nope_BHSK = jnp.einsum("BSC,CHK->BHSK", c_BSC, p["wk_b"])
+    v_BHSV = jnp.einsum("BSC,CHV->BHSV", c_BSC, p["wv_b"])
+    k_pe_BHSR = jnp.broadcast_to(k_pe_BSR[:, None].astype(k_nope_BHSK.dtype),
+                                 k_nope_BHSK.shape[:3] + k_pe_BSR.shape[-1:])
+    k_BHSK = jnp.concatenate([k_nope_BHSK, k_pe_BHSR], axis=-1)
+    q_BHTK = jnp.concatenate([q_nope, q_pe.astype(q_nope.dtype)], axis=-1).transpose(0, 2, 1, 3)
+    scores = jnp.einsum("BHTK,BHSK->BHTS", q_BHTK, k_BHSK) * cfg.softmax_scale
+    probs = _masked_softmax(scores, mask_BTS).astype(v_BHSV.dtype)
+    return jnp.einsum("BHTS,BHSV->BHTV", probs, v_BHSV).transpose(0, 2, 1, 3)
 
 
 def attend_absorbed(p, cfg: ModelConfig, q_nope, q_pe, kv_BSL, mask_BTS):

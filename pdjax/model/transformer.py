@@ -23,7 +23,7 @@ import numpy as np
 from pdjax.config import ModelConfig
 from pdjax.model import mla
 from pdjax.model import moe as moe_lib
-from pdjax.model.cache import KVCache, init_cache, write_rows
+from pdjax.model.cache import KVCache, write_rows
 
 
 # ---- params -----------------------------------------------------------------------------
@@ -166,6 +166,18 @@ def _prefill(params, cfg, tokens_BT, cache, lengths_B, absorbed=False, moe_impl=
     return run_with_cache(params, cfg, tokens_BT, cache, lengths_B, absorbed, moe_impl)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "max_len", "absorbed", "moe_impl"))
+@_with_stats
+def _prefill_fresh(params, cfg, tokens_BT, lengths_B, max_len, absorbed=False, moe_impl=None):
+    """Prefill into a new cache: the chunk attends to itself only (nothing is cached yet), and
+    its latents are then laid into a cache of max_len positions."""
+    B, T = tokens_BT.shape
+    q_pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    x, new_kv = run_layers(params, cfg, embed(params, tokens_BT), q_pos, None, None, absorbed, moe_impl)
+    kv = tuple(jnp.pad(k, ((0, 0), (0, max_len - T), (0, 0))) for k in new_kv)
+    return head(params, cfg, x), KVCache(kv=kv, lengths=lengths_B.astype(jnp.int32))
+
+
 def decode_core(params, cfg, tokens_B, cache, moe_impl=None):
     """Unjitted decode step: one token per row, absorbed MLA. (logits [B,V], cache)."""
     logits, cache = run_with_cache(params, cfg, tokens_B[:, None], cache,
@@ -249,6 +261,17 @@ def forward(params, cfg: ModelConfig, tokens, *, moe_impl=None, batch_sharding=N
     return _finish(logits, stats, moe_impl, return_stats, "forward")
 
 
+def _check_lengths(lengths, B: int, T: int):
+    if lengths is None:
+        return np.full((B,), T, np.int32)
+    if _is_tracer(lengths):
+        return lengths
+    lengths = np.asarray(lengths, np.int32)
+    if lengths.shape != (B,) or lengths.min() < 1 or lengths.max() > T:
+        raise ValueError(f"lengths must be [B={B}] values in [1, {T}], got {lengths.tolist()}")
+    return lengths
+
+
 def prefill(params, cfg: ModelConfig, tokens, *, max_len: int | None = None,
             cache: KVCache | None = None, lengths=None, absorbed: bool = False, moe_impl=None,
             batch_sharding=None, return_stats: bool = False):
@@ -262,21 +285,22 @@ def prefill(params, cfg: ModelConfig, tokens, *, max_len: int | None = None,
     """
     tokens = check_tokens(cfg, tokens, 2)
     B, T = tokens.shape
-    if cache is None:
+    fresh = cache is None
+    if fresh:
         max_len = T if max_len is None else max_len
         if T > max_len:
             raise ValueError(f"prompt of {T} tokens is longer than max_len={max_len}")
-        cache = _place(init_cache(cfg, B, max_len, param_dtype(params)), batch_sharding)
-    elif max_len is not None and max_len != cache.max_len:
+        if max_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_len={max_len} exceeds max_position_embeddings={cfg.max_position_embeddings}")
+        lengths = _check_lengths(lengths, B, T)
+        out, stats = _prefill_fresh(params, cfg, _place(tokens, batch_sharding),
+                                    _place(jnp.asarray(lengths), batch_sharding), max_len, absorbed, moe_impl)
+        return _finish(out, stats, moe_impl, return_stats, "prefill")
+    if max_len is not None and max_len != cache.max_len:
         raise ValueError(f"max_len={max_len} disagrees with the given cache ({cache.max_len})")
     if cache.batch != B:
         raise ValueError(f"tokens batch {B} does not match cache batch {cache.batch}")
-    if lengths is None:
-        lengths = np.full((B,), T, np.int32)
-    if not _is_tracer(lengths):
-        lengths = np.asarray(lengths, np.int32)
-        if lengths.shape != (B,) or lengths.min() < 1 or lengths.max() > T:
-            raise ValueError(f"lengths must be [B={B}] values in [1, {T}], got {lengths.tolist()}")
+    lengths = _check_lengths(lengths, B, T)
     if not _is_tracer(cache.lengths):
         end = np.asarray(cache.lengths) + T
         if end.max() > cache.max_len:
