@@ -21,8 +21,10 @@ import jax
 import numpy as np
 
 from pdjax.config import ModelConfig
+from pdjax.model.transformer import param_dtype
 from pdjax.disagg.decode import DecodePool, Reservation
 from pdjax.disagg.prefill import PrefillPool
+from pdjax.disagg.prefix_store import CorruptBlockError, MissingBlockError, PrefixStore
 from pdjax.disagg.request import Clock, Request, RequestError, SamplingParams, validate_request
 
 
@@ -42,8 +44,6 @@ class PDEngine:
                  prefill_mesh=None, decode_mesh=None, block_size: int = 16, max_decode_slots: int = 8,
                  max_context: int | None = None, num_blocks: int | None = None, prefix_cache: bool = False,
                  max_prefill_attempts: int = 3, colocated: bool = False):
-        if prefix_cache:
-            raise ValueError("prefix_cache=True is not available yet in this build of PDEngine")
         prefill_devices, decode_devices = list(prefill_devices), list(decode_devices)
         if not colocated and {d.id for d in prefill_devices} & {d.id for d in decode_devices}:
             raise ValueError("prefill_devices and decode_devices must be disjoint (use ColocatedEngine to share)")
@@ -55,6 +55,11 @@ class PDEngine:
                                  slots=max_decode_slots, block_size=block_size, max_context=self.max_context,
                                  num_blocks=num_blocks)
         self.max_prefill_attempts = max_prefill_attempts
+        self.store = None
+        if prefix_cache:
+            opts = {"device_blocks": 0, "host_blocks": 256, **(prefix_cache if isinstance(prefix_cache, dict) else {})}
+            self.store = PrefixStore(cfg, block_size, dtype=param_dtype(params),
+                                     device=self.prefill.replicated, **opts)
         self.fault_hooks: dict = {}     # test hooks: "handoff" -> callable(request, layer) that may raise
         self.stats: dict = {}
 
@@ -71,6 +76,8 @@ class PDEngine:
                 req = todo.get(timeout=0.05)
             except queue.Empty:
                 continue
+            while clock.now() < req.arrival and not stop.is_set():   # not arrived yet
+                stop.wait(min(0.01, req.arrival - clock.now()))
             res = None
             while res is None:
                 res = self.decode.reserve(req)
@@ -90,23 +97,51 @@ class PDEngine:
                     h.bytes += rows.size * rows.dtype.itemsize
                 inbox.put(("layer", h, l, moved))
             try:
-                tok = self.prefill.run(req, push)
+                prefix = self._cached_prefix(req)
+                tok, rows = self.prefill.run(req, push, prefix)
+                if self.store is not None:
+                    self.store.insert(req.prompt, rows, retention=req.retention)
             except Exception as e:  # noqa: BLE001 - any handoff/prefill failure retries the request
                 inbox.put(("failed", h, e))
                 continue
             inbox.put(("ready", h, tok))
 
+    def _cached_prefix(self, req):
+        """(P, layer-by-layer loader) for the request's cached prefix, or None. A block that
+        fails its checksum (or vanished) is dropped and the prefix recomputed."""
+        if self.store is None:
+            return None
+        P = self.store.lookup(req.prompt)
+        req.prefix_hit_tokens = 0
+        if P == 0:
+            return None
+        try:
+            loaded = self.store.load(req.prompt, P, self.prefill.replicated)
+        except (CorruptBlockError, MissingBlockError) as e:
+            req.prefix_errors.append(str(e))
+            return None
+        req.prefix_hit_tokens = P
+        return P, loaded
+
     # ---- decode side ---------------------------------------------------------------------
     def generate(self, prompts, max_new_tokens=16, *, sampling: SamplingParams | list | None = None,
-                 stop_tokens=(), on_token=None, retention: str = "chat"):
+                 stop_tokens=(), on_token=None, retention: str = "chat", arrival_times=None):
+        """Serve ``prompts``; returns their generated tokens in request order.
+
+        ``max_new_tokens`` and ``sampling`` may be per-request lists; ``arrival_times``
+        (seconds from the call, non-decreasing) releases each request to the prefill queue
+        at its time instead of all at once; ``on_token(request_index, token)`` streams."""
         clock = Clock()
         n = len(prompts)
         samplings = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * n
         mnt = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * n
+        arrivals = [0.0] * n if arrival_times is None else [float(a) for a in arrival_times]
+        if len(arrivals) != n or any(b < a for a, b in zip(arrivals, arrivals[1:])) or min(arrivals, default=0) < 0:
+            raise ValueError("arrival_times must be one non-negative, non-decreasing time per prompt")
         reqs = []
         for i, p in enumerate(prompts):
             r = Request(i, list(p) if not isinstance(p, np.ndarray) else p.tolist(), mnt[i],
-                        samplings[i], tuple(stop_tokens), retention, arrival=clock.now())
+                        samplings[i], tuple(stop_tokens), retention, arrival=arrivals[i])
             try:
                 validate_request(r, self.cfg.vocab_size, self.max_context)
             except RequestError as e:

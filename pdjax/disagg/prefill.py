@@ -31,6 +31,14 @@ def _layer(lp, cfg, x, q_pos, moe_impl):
     return layer(lp, cfg, x, q_pos, moe_impl=moe_impl)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "chunk", "moe_impl"))
+def _layer_cached(lp, cfg, x, q_pos, prefix_rows, start, chunk, moe_impl):
+    """A layer over a chunk that continues a cached prefix [P, C+R]: the prefix rows and the
+    chunk's new rows form the layer cache [1, P + chunk, C+R]."""
+    kv = jnp.pad(prefix_rows, ((0, chunk), (0, 0)))[None]
+    return layer(lp, cfg, x, q_pos, kv, start, moe_impl=moe_impl)
+
+
 @jax.jit
 def _embed(params, tokens):
     return embed(params, tokens)
@@ -57,22 +65,36 @@ class PrefillPool:
         self.params = shard_params(params, cfg, self.mesh)
         self.replicated = NamedSharding(self.mesh, P())
 
-    def run(self, req, push, on_layer_done=None):
+    def run(self, req, push, prefix=None):
         """Prefill ``req``; call ``push(layer, rows)`` with each layer's latent rows [T, C+R]
-        right after that layer is dispatched. Returns the first generated token (int)."""
+        (the whole prompt) right after that layer is dispatched. Returns (first generated
+        token, the pushed rows per layer).
+
+        ``prefix``: (P, iterator of (layer, rows [P, C+R]) on this pool's devices) for a
+        cached prefix of P tokens: only the remaining T - P tokens are computed, each layer
+        attending to its prefix rows, which the iterator delivers layer by layer."""
         T = len(req.prompt)
-        Tb = bucket(T, self.size)
+        P, loaded = prefix if prefix else (0, None)
+        n = T - P
+        Tb = bucket(n, self.size)
         tokens = np.zeros((1, Tb), np.int32)
-        tokens[0, :T] = req.prompt
+        tokens[0, :n] = req.prompt[P:]
         tokens = jax.device_put(tokens, self.replicated)
-        q_pos = jax.device_put(np.arange(Tb, dtype=np.int32)[None], self.replicated)
+        q_pos = jax.device_put((P + np.arange(Tb, dtype=np.int32))[None], self.replicated)
+        start = jax.device_put(np.array([P], np.int32), self.replicated)
         x = _embed(self.params, tokens)
+        rows = []
         for l, lp in enumerate(self.params["layers"]):
-            x, kv = _layer(lp, self.cfg, x, q_pos, self.ep)
-            push(l, kv[0, :T])
-            if on_layer_done is not None:
-                on_layer_done(l, x)
+            if loaded is None:
+                x, kv = _layer(lp, self.cfg, x, q_pos, self.ep)
+                rows.append(kv[0, :T])
+            else:
+                layer_idx, prefix_rows = next(loaded)
+                assert layer_idx == l, (layer_idx, l)
+                x, kv = _layer_cached(lp, self.cfg, x, q_pos, prefix_rows, start, Tb, self.ep)
+                rows.append(kv[0, :T])
+            push(l, rows[-1])
         s = req.sampling
-        tok = _first_token(self.params, self.cfg, x, T - 1, jnp.float32([s.temperature]),
+        tok = _first_token(self.params, self.cfg, x, n - 1, jnp.float32([s.temperature]),
                            jnp.float32([s.top_p]), jnp.int32([s.seed]))
-        return int(np.asarray(tok)[0])
+        return int(np.asarray(tok)[0]), rows

@@ -52,6 +52,7 @@ class Request:
     prefix_hit_tokens: int = 0
     kv_wait_s: float = 0.0
     prefill_attempts: int = 0
+    prefix_errors: list = dataclasses.field(default_factory=list)
 
     @property
     def done(self) -> bool:
@@ -62,10 +63,11 @@ class Request:
         tpot = (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
         return {"index": self.index, "prompt_tokens": len(self.prompt), "new_tokens": len(self.output),
                 "ttft": None if self.first_token_time is None else self.first_token_time - self.arrival,
-                "tpot": tpot, "itl": [b - a for a, b in zip(t, t[1:])],
+                "tpot": tpot, "itl": [b - a for a, b in zip(t, t[1:])], "token_times": list(t),
                 "e2e": None if self.finish_time is None else self.finish_time - self.arrival,
                 "kv_bytes_sent": self.kv_bytes_sent, "prefix_hit_tokens": self.prefix_hit_tokens,
                 "kv_wait_s": self.kv_wait_s, "prefill_attempts": self.prefill_attempts,
+                "prefix_errors": list(self.prefix_errors),
                 "error": None if self.error is None else str(self.error)}
 
 

@@ -122,3 +122,30 @@ def test_engine_config_errors(tiny_cfg, tiny_params):
 def test_prefill_bucket():
     assert [bucket(n, 4) for n in (1, 16, 17, 200)] == [16, 16, 32, 256]
     assert bucket(5, 3) == 18
+
+
+def test_prefix_cache_hits_and_identical_tokens(tiny_cfg, tiny_params, prompts, expected):
+    eng = PDEngine(tiny_params, tiny_cfg, prefill_devices=jax.devices()[:4], decode_devices=jax.devices()[4:],
+                   prefill_mesh={"expert": 4}, decode_mesh={"data": 2, "expert": 2}, block_size=16,
+                   max_decode_slots=4, max_context=256, prefix_cache={"device_blocks": 4, "host_blocks": 64})
+    assert eng.generate(prompts, max_new_tokens=5) == expected
+    first = eng.stats["requests"]
+    # the second prompt with the 40-token system prefix hits its first two full blocks
+    assert [r["prefix_hit_tokens"] for r in first][-2:] == [0, 32]
+    again = eng.generate(prompts, max_new_tokens=5)
+    assert again == expected
+    hits = [r["prefix_hit_tokens"] for r in eng.stats["requests"]]
+    assert hits == [((len(p) - 1) // 16) * 16 for p in prompts]          # every full block but the last token
+    itemsize = 4
+    assert eng.stats["kv_bytes_sent"] == sum(len(p) for p in prompts) * tiny_cfg.kv_latent_dim \
+        * tiny_cfg.num_hidden_layers * itemsize
+
+    # a corrupted block: checksum mismatch, the prefix is recomputed, tokens unchanged
+    big = prompts[2]
+    eng.store._corrupt(eng.store.hashes(big)[0])
+    out = eng.generate([big], max_new_tokens=5)
+    assert out == [expected[2]]
+    r = eng.stats["requests"][0]
+    assert r["prefix_hit_tokens"] == 0
+    assert len(r["prefix_errors"]) == 1 and "failed its checksum" in r["prefix_errors"][0]
+    assert eng.store.stats["corrupt_blocks"] == 1
