@@ -9,11 +9,14 @@ writes arriving layers into the blocks, admits a request to the running batch on
 layers are in, and steps the batch (continuous batching: requests join and leave between
 steps). A failed handoff is retried by prefilling the request again.
 
-``ColocatedEngine``: the same scheduler with both pools on the same devices (no link).
+``ColocatedEngine``: the same scheduler with both pools on the same devices (no link); as in
+a single-pool engine, a step is either a whole prefill or a decode step, so a long prefill
+stalls the running decodes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 
@@ -55,6 +58,8 @@ class PDEngine:
                                  slots=max_decode_slots, block_size=block_size, max_context=self.max_context,
                                  num_blocks=num_blocks)
         self.max_prefill_attempts = max_prefill_attempts
+        # one pool: a step is either a prefill or a decode step, never both at once
+        self._pool_lock = threading.Lock() if colocated else contextlib.nullcontext()
         self.store = None
         if prefix_cache:
             opts = {"device_blocks": 0, "host_blocks": 256, **(prefix_cache if isinstance(prefix_cache, dict) else {})}
@@ -98,7 +103,8 @@ class PDEngine:
                 inbox.put(("layer", h, l, moved))
             try:
                 prefix = self._cached_prefix(req)
-                tok, rows = self.prefill.run(req, push, prefix)
+                with self._pool_lock:
+                    tok, rows = self.prefill.run(req, push, prefix)
                 if self.store is not None:
                     self.store.insert(req.prompt, rows, retention=req.retention)
             except Exception as e:  # noqa: BLE001 - any handoff/prefill failure retries the request
@@ -215,7 +221,9 @@ class PDEngine:
                     req.kv_wait_s += clock.now() - h.t_reserved
             queue_depth.append(todo.qsize())
             if self.decode.active:
-                for slot, tok in self.decode.step().items():
+                with self._pool_lock:
+                    new_tokens = self.decode.step()
+                for slot, tok in new_tokens.items():
                     req = self.decode.slot_req[slot].request
                     if self._emit(req, tok, clock, on_token):
                         self.decode.release(slot)

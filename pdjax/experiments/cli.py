@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -13,6 +14,11 @@ def main(argv=None) -> int:
     p_run.add_argument("config", help="path to an experiments/*.toml file")
     p_run.add_argument("--runs-dir", default="runs", help="where run directories go (default: runs)")
     args = parser.parse_args(argv)
+    # Experiments that run meshes on the CPU want 8 host devices; XLA reads this flag when the
+    # CPU backend starts (the first device query), which has not happened yet here.
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
     if args.command == "run":
         from pdjax.experiments.runner import run
         try:

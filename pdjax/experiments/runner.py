@@ -15,6 +15,19 @@ import tomllib
 from typing import Callable
 
 
+def with_defaults(cfg: dict, defaults: dict, kind: str) -> dict:
+    """Each table of ``defaults`` updated with the config's table of the same name; unknown
+    keys raise ValueError naming the table."""
+    out = {}
+    for sec, d in defaults.items():
+        given = cfg.get(sec, {})
+        unknown = set(given) - set(d)
+        if unknown:
+            raise ValueError(f"{kind} config [{sec}] has unknown keys {sorted(unknown)}")
+        out[sec] = {**d, **given}
+    return out
+
+
 def _quickstart(cfg, out_dir):
     from pdjax.experiments.quickstart import run_quickstart
     return run_quickstart(cfg, out_dir)
@@ -37,6 +50,11 @@ def _dbo_sweep(cfg, out_dir):
     return run_dbo_sweep(cfg, out_dir)
 
 
+def _pd_vs_colocated(cfg, out_dir):
+    from pdjax.experiments.pd_vs_colocated import run_pd_vs_colocated
+    return run_pd_vs_colocated(cfg, out_dir)
+
+
 def _sim(kind):
     def run(cfg, out_dir):
         from pdjax.sim.experiments import RUNNERS
@@ -48,6 +66,7 @@ EXPERIMENTS: dict[str, Callable[[dict, str], dict]] = {
     "quickstart": _quickstart,
     "bubble_sweep": _bubble_sweep,
     "dbo_sweep": _dbo_sweep,
+    "pd_vs_colocated": _pd_vs_colocated,
     # serving simulation (pdjax.sim)
     **{k: _sim(k) for k in ("colocated_vs_pd", "pd_ratio_sweep", "afd_ratio_sweep", "link_bandwidth",
                             "prefix_cache_capacity")},

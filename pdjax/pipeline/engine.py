@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .ops import BACKWARD_WEIGHT, FORWARD
+from .ops import BACKWARD_WEIGHT, FORWARD, Op
 
 ACT, GRAD = 0, 1  # key kinds: forward activation ready, input gradient ready
 _KEY_NAMES = {ACT: "forward", GRAD: "input-grad backward"}
@@ -26,20 +26,46 @@ _KEY_NAMES = {ACT: "forward", GRAD: "input-grad backward"}
 
 @dataclass(frozen=True)
 class Program:
-    """Per rank: ops compiled to ``(requirements, provisions)`` integer keys.
+    """Per rank: ops compiled to flat integer arrays (no per-op objects).
 
-    ``reqs[r][i]`` is a tuple of ``(key, cross_rank, producer_stage)``;
-    ``provs[r][i]`` a tuple of keys. Keys encode ``(kind, stage, microbatch)``.
+    Op ``i`` of rank ``r`` requires the keys ``req_key[r][req_at[r][i]:req_at[r][i+1]]``;
+    ``req_src[r][j]`` is the producer stage of requirement ``j`` when it lives on another
+    rank (a send/recv that pays ``comm``), else ``-1``. The op provides the keys
+    ``prov_key[r][prov_at[r][i]:prov_at[r][i+1]]``. Keys encode ``(kind, stage,
+    microbatch)`` in ``[0, num_keys)`` (see :meth:`decode`); when that key space is much
+    larger than the schedule (micro-batch ids far above the layout's, e.g. an unchecked
+    CSV), the keys used are renumbered ``0..`` and ``original_keys`` maps them back.
     """
 
-    reqs: tuple[tuple[tuple[tuple[int, bool, int], ...], ...], ...]
-    provs: tuple[tuple[tuple[int, ...], ...], ...]
+    req_at: tuple[list[int], ...]
+    req_key: tuple[list[int], ...]
+    req_src: tuple[list[int], ...]
+    prov_at: tuple[list[int], ...]
+    prov_key: tuple[list[int], ...]
     num_stages: int
     num_keys_per_kind: int
     key_stride: int
+    original_keys: tuple[int, ...] | None = None
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.req_at)
+
+    @property
+    def num_keys(self) -> int:
+        if self.original_keys is not None:
+            return len(self.original_keys)
+        return 2 * self.num_keys_per_kind
+
+    def requirements(self, rank: int, index: int) -> list[int]:
+        """Keys op ``index`` of ``rank`` waits for."""
+        at = self.req_at[rank]
+        return self.req_key[rank][at[index]:at[index + 1]]
 
     def decode(self, key: int) -> tuple[int, int, int]:
         """``key -> (kind, stage, microbatch)``."""
+        if self.original_keys is not None:
+            key = self.original_keys[key]
         kind, rest = divmod(key, self.num_keys_per_kind)
         stage, mb = divmod(rest, self.key_stride)
         return kind, stage, mb
@@ -50,39 +76,62 @@ class DeadlockError(ValueError):
 
 
 def compile_program(schedule) -> Program:
-    """Compile a schedule's ops to integer dependency keys (see module docstring)."""
+    """Compile a schedule's ops to integer dependency keys (see module docstring).
+
+    Appends plain ints to a few flat lists per rank: no per-op tuples or lists, so the
+    cost per op does not depend on the schedule's size (no garbage-collector work grows
+    with it, and the arrays stay compact).
+    """
     layout = schedule.layout
-    num_stages = layout.num_stages
     stride = max(schedule.max_microbatch + 1, layout.num_microbatches, 1)
-    per_kind = num_stages * stride
+    per_kind = layout.num_stages * stride
     stage_rank, prev_stage, next_stage = layout.stage_rank, layout.prev_stage, layout.next_stage
-    all_reqs, all_provs = [], []
+    # per stage: the producer stage of its forward / backward input when that producer is
+    # on another rank (the dependency pays comm[producer]), else -1
+    fwd_src = [p if p >= 0 and stage_rank[p] != stage_rank[s] else -1 for s, p in enumerate(prev_stage)]
+    bwd_src = [n if n >= 0 and stage_rank[n] != stage_rank[s] else -1 for s, n in enumerate(next_stage)]
+    all_req_at, all_req_key, all_req_src, all_prov_at, all_prov_key = [], [], [], [], []
     for ops in schedule.ops:
-        rank_reqs, rank_provs = [], []
+        req_at, req_key, req_src, prov_at, prov_key = [0], [], [], [0], []
+        add_req_key, add_req_src, add_prov_key = req_key.append, req_src.append, prov_key.append
         for op in ops:
-            reqs: list[tuple[int, bool, int]] = []
-            provs: list[int] = []
-            for part in op.parts:
-                s, m = part.stage, part.microbatch
-                base = s * stride + m
-                if part.kind == FORWARD:
+            for part in ((op,) if type(op) is Op else op.parts):
+                s = part.stage
+                base = s * stride + part.microbatch
+                kind = part.kind
+                if kind == FORWARD:
                     p = prev_stage[s]
                     if p >= 0:
-                        reqs.append((p * stride + m, stage_rank[p] != stage_rank[s], p))
-                    provs.append(base)
-                elif part.kind == BACKWARD_WEIGHT:
-                    reqs.append((per_kind + base, False, s))
+                        add_req_key(base + (p - s) * stride)
+                        add_req_src(fwd_src[s])
+                    add_prov_key(base)
+                elif kind == BACKWARD_WEIGHT:
+                    add_req_key(per_kind + base)
+                    add_req_src(-1)
                 else:  # B or I
-                    reqs.append((base, False, s))
+                    add_req_key(base)
+                    add_req_src(-1)
                     n = next_stage[s]
                     if n >= 0:
-                        reqs.append((per_kind + n * stride + m, stage_rank[n] != stage_rank[s], n))
-                    provs.append(per_kind + base)
-            rank_reqs.append(tuple(reqs))
-            rank_provs.append(tuple(provs))
-        all_reqs.append(tuple(rank_reqs))
-        all_provs.append(tuple(rank_provs))
-    return Program(tuple(all_reqs), tuple(all_provs), num_stages, per_kind, stride)
+                        add_req_key(per_kind + base + (n - s) * stride)
+                        add_req_src(bwd_src[s])
+                    add_prov_key(per_kind + base)
+            req_at.append(len(req_key))
+            prov_at.append(len(prov_key))
+        all_req_at.append(req_at)
+        all_req_key.append(req_key)
+        all_req_src.append(req_src)
+        all_prov_at.append(prov_at)
+        all_prov_key.append(prov_key)
+    original_keys = None
+    num_refs = sum(map(len, all_req_key)) + sum(map(len, all_prov_key))
+    if 2 * per_kind > 8 * num_refs + 4096:  # sparse: renumber the keys in use
+        ids: dict[int, int] = {}
+        for keys in all_req_key + all_prov_key:
+            keys[:] = [ids.setdefault(k, len(ids)) for k in keys]
+        original_keys = tuple(ids)
+    return Program(tuple(all_req_at), tuple(all_req_key), tuple(all_req_src), tuple(all_prov_at),
+                   tuple(all_prov_key), layout.num_stages, per_kind, stride, original_keys)
 
 
 def run_program(schedule, program: Program, durations, comm) -> tuple[list[list[float]], list[list[float]]]:
@@ -91,49 +140,55 @@ def run_program(schedule, program: Program, durations, comm) -> tuple[list[list[
     ``durations[r][i]`` is the time of op ``i`` on rank ``r``; ``comm[stage]`` is the
     latency added when the producer ``stage`` is on another rank. Returns per-rank
     ``(starts, ends)``. Raises :class:`DeadlockError` naming a stuck rank, its op and
-    the missing input when no rank can progress. Linear in the number of ops.
+    the missing input when no rank can progress. Linear in the number of ops: each op
+    runs once, each block registers one waiter, and the end time of every key lives in
+    one preallocated list indexed by key (``None``: not produced yet).
     """
-    num_ranks = len(program.reqs)
-    done: dict[int, float] = {}
+    num_ranks = program.num_ranks
+    done: list = [None] * program.num_keys
     waiters: dict[int, list[int]] = {}
     ptr = [0] * num_ranks
     free_at = [0.0] * num_ranks
-    starts = [[0.0] * len(r) for r in program.reqs]
-    ends = [[0.0] * len(r) for r in program.reqs]
+    starts = [[0.0] * (len(at) - 1) for at in program.req_at]
+    ends = [[0.0] * (len(at) - 1) for at in program.req_at]
     stack = list(range(num_ranks - 1, -1, -1))
     while stack:
         r = stack.pop()
-        reqs_r, provs_r, dur_r = program.reqs[r], program.provs[r], durations[r]
-        i, n = ptr[r], len(reqs_r)
+        req_at, req_key, req_src = program.req_at[r], program.req_key[r], program.req_src[r]
+        prov_at, prov_key = program.prov_at[r], program.prov_key[r]
+        dur_r, starts_r, ends_r = durations[r], starts[r], ends[r]
+        i, n = ptr[r], len(req_at) - 1
         t_free = free_at[r]
+        j = req_at[i]
         while i < n:
             t = t_free
-            blocked = False
-            for key, cross, src in reqs_r[i]:
-                d = done.get(key)
+            j_end = req_at[i + 1]
+            while j < j_end:
+                d = done[req_key[j]]
                 if d is None:
-                    waiters.setdefault(key, []).append(r)
-                    blocked = True
                     break
-                if cross:
+                src = req_src[j]
+                if src >= 0:
                     d += comm[src]
                 if d > t:
                     t = d
-            if blocked:
+                j += 1
+            if j < j_end:  # blocked on req_key[j]
+                waiters.setdefault(req_key[j], []).append(r)
                 break
             end = t + dur_r[i]
-            starts[r][i] = t
-            ends[r][i] = end
-            for key in provs_r[i]:
+            starts_r[i] = t
+            ends_r[i] = end
+            for k in range(prov_at[i], prov_at[i + 1]):
+                key = prov_key[k]
                 done[key] = end
-                woken = waiters.pop(key, None)
-                if woken:
-                    stack.extend(woken)
+                if key in waiters:
+                    stack.extend(waiters.pop(key))
             t_free = end
             i += 1
         ptr[r] = i
         free_at[r] = t_free
-    stuck = [r for r in range(num_ranks) if ptr[r] < len(program.reqs[r])]
+    stuck = [r for r in range(num_ranks) if ptr[r] < len(program.req_at[r]) - 1]
     if stuck:
         raise DeadlockError(_deadlock_message(schedule, program, stuck, ptr, done))
     return starts, ends
@@ -144,7 +199,7 @@ def _deadlock_message(schedule, program: Program, stuck, ptr, done) -> str:
     for r in stuck[:4]:
         i = ptr[r]
         op = schedule.ops[r][i]
-        missing = next(k for k, _, _ in program.reqs[r][i] if k not in done)
+        missing = next(k for k in program.requirements(r, i) if done[k] is None)
         kind, stage, mb = program.decode(missing)
         producer = schedule.layout.stage_rank[stage]
         lines.append(

@@ -28,6 +28,8 @@ def test_quickstart_runs_and_writes_report(tmp_path):
     assert m["kv_bytes_per_token_mla"] == analysis.kv_bytes_per_token(cfg, 4, "mla") \
         == cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
     assert "## Analysis" in report
+    pd = summary["pd_section"]
+    assert pd["identical_to_generate"] is True and pd["kv_bytes_sent"] == pd["kv_bytes_formula"]
     assert os.path.exists(os.path.join(out_dir, "dualpipe_8x20.png"))
     assert json.load(open(os.path.join(out_dir, "summary.json")))["pipeline_section"]["dualpipe"]
 
@@ -77,3 +79,14 @@ def test_every_experiment_config_names_a_known_kind():
     for f in files:
         cfg = runner.load_config(f)
         assert cfg["kind"] in runner.EXPERIMENTS, f
+
+
+def test_pd_vs_colocated_small(tmp_path):
+    cfg = tmp_path / "p.toml"
+    cfg.write_text('kind = "pd_vs_colocated"\n[workload]\nshort_requests = 4\nshort_new_tokens = 6\n'
+                   'long_requests = 1\nlong_prompt = 40\nlong_first_arrival_s = 0.0\n'
+                   '[engine]\nmax_decode_slots = 4\nmax_context = 64\n')
+    out_dir, summary = runner.run(str(cfg), runs_dir=str(tmp_path / "runs"))
+    assert summary["identical_tokens"] is True
+    assert summary["colocated"]["kv_bytes_sent"] == 0 < summary["pd"]["kv_bytes_sent"]
+    assert os.path.exists(os.path.join(out_dir, "itl_over_time.png"))
