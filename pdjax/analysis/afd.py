@@ -64,3 +64,13 @@ def afd_speedup(batch_gain: float, step_time_gain: float, attention_share: float
     if attention_share > 1:
         raise ValueError(f"attention_share must be <= 1 (it is M/(M+N)), got {attention_share!r}")
     return batch_gain * step_time_gain * attention_share
+
+
+def afd_exchange_bytes(hidden_size: int, experts_per_token: int, num_ffn: int, act_bytes: float = 2) -> float:
+    """One-way bytes per token per layer of the attention -> FFN exchange: the hidden state
+    (``act_bytes`` per element) goes to the min(top-k, N) FFN instances holding its experts."""
+    check_positive_int("hidden_size", hidden_size)
+    check_positive_int("experts_per_token", experts_per_token)
+    check_positive_int("num_ffn", num_ffn)
+    check_positive("act_bytes", act_bytes)
+    return hidden_size * act_bytes * min(experts_per_token, num_ffn)

@@ -38,6 +38,7 @@ import dataclasses
 import numbers
 from typing import Optional, Sequence
 
+from pdjax.analysis.afd import afd_exchange_bytes
 from pdjax.analysis.hardware import HardwareLike, hardware
 from pdjax.analysis.kv import kv_bytes_per_token as _kv_bytes_per_token, kv_handoff_time
 from pdjax.analysis.params import param_counts
@@ -179,6 +180,10 @@ class RooflineCostModel:
         self._latent_bytes = self.kv_bytes_per_token() / L       # one token, one layer
 
     # ---- public API used by the serving simulator -----------------------------------------
+
+    def afd_exchange_bytes(self, num_ffn: int) -> float:
+        """One-way attention<->FFN bytes per token per layer (activations in this dtype)."""
+        return afd_exchange_bytes(self.cfg.hidden_size, self.cfg.num_experts_per_tok, num_ffn, self.dtype_bytes)
 
     def kv_bytes_per_token(self) -> int:
         """MLA cache bytes per token over all layers at this dtype."""

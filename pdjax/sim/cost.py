@@ -31,6 +31,7 @@ import dataclasses
 import math
 from typing import Optional, Protocol, Sequence, runtime_checkable
 
+from pdjax.analysis.afd import afd_exchange_bytes
 from pdjax.analysis import (attention_flops_per_token, hardware, kv_bytes_per_token,
                             param_counts)
 from pdjax.analysis.hardware import normalise_dtype
@@ -181,7 +182,7 @@ class LinearStepCost:
     def afd_exchange_bytes(self, num_ffn: int) -> float:
         """One-way bytes per token per layer of the attention<->FFN exchange: the hidden
         state (``act_bytes`` per element) sent to min(top-k, N) FFN instances."""
-        return self.hidden_size * self.act_bytes * min(self.experts_per_token, num_ffn)
+        return afd_exchange_bytes(self.hidden_size, self.experts_per_token, num_ffn, self.act_bytes)
 
     # ---- derivation ------------------------------------------------------------------
     @classmethod

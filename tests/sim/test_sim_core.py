@@ -191,6 +191,11 @@ def test_roofline_cost_model_runs():
     reqs = sim.generate(sim.WorkloadSpec(num_requests=200, rate=20.0, input=1024, output=64, seed=0))
     res = sim.simulate(sim.PDDisaggregated(2, 2, link_bw=bw), cm, reqs)
     assert res.summary["finished"] + res.summary["rejected"] == 200
+    # AF-disaggregated decode runs on the roofline model's attention/FFN split too
+    assert cm.decode_attention_time([n_in]) + cm.decode_ffn_time(1) == pytest.approx(cm.decode_step_time([n_in]))
+    assert cm.afd_exchange_bytes(4) == cm.cfg.hidden_size * 2 * min(cm.cfg.num_experts_per_tok, 4)
+    res = sim.simulate(sim.AFDisaggregated(2, 2, link_bw=bw, num_attention=2, num_ffn=2), cm, reqs)
+    assert res.summary["finished"] + res.summary["rejected"] == 200 and res.summary["finished"] > 0
 
 
 class ProtocolOnly:
