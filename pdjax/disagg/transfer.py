@@ -1,0 +1,189 @@
+"""The cross-process KV channel: latent rows over ``jax.experimental.transfer``, control
+messages over a local TCP socket.
+
+Data plane: each process runs a :class:`jax.experimental.transfer.TransferServer` bound to
+loopback. The sender (prefill) *offers* an array under a fresh integer uuid
+(``TransferServer.await_pull``); the receiver (decode) *pulls* it straight onto one of its
+own devices (``TransferConnection.pull`` with a ``ShapeDtypeStruct`` carrying the target
+sharding). No host pickling, no copy through the control socket.
+
+Control plane: :class:`Control`, length-prefixed JSON over a TCP socket (4-byte big-endian
+length, then UTF-8 JSON). A layer is announced with
+``{"op": "layer", "request": i, "layer": l, "uuid": u, "shape": [T, C+R], "dtype": "float32",
+"nbytes": T * (C+R) * itemsize}`` after it has been offered, so the pull never waits for it.
+
+Everything listens on 127.0.0.1 with port 0 (a random free port the OS picks).
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import json
+import secrets
+import socket
+import struct
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import transfer as jax_transfer
+
+LOOPBACK = "127.0.0.1"
+_HEADER = struct.Struct(">I")
+MAX_MESSAGE_BYTES = 1 << 30
+
+
+# ---- control plane -------------------------------------------------------------------------
+class Control:
+    """One end of a control connection: ``send(obj)`` (thread-safe) and ``recv()`` (one
+    reader), JSON objects framed by a 4-byte length. ``recv`` returns None at end of stream;
+    a peer that vanished mid-message raises ``ConnectionError``."""
+
+    def __init__(self, sock: socket.socket):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        self._send_lock = threading.Lock()
+        self.closed = False
+
+    @classmethod
+    def connect(cls, address: str, timeout: float = 30.0) -> "Control":
+        """Connect to ``host:port``, retrying until ``timeout`` seconds (the peer may still
+        be binding)."""
+        host, port = split_address(address)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                sock = socket.create_connection((host, port), timeout=timeout)
+                sock.settimeout(None)
+                return cls(sock)
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def send(self, obj: dict) -> None:
+        data = json.dumps(obj, separators=(",", ":")).encode()
+        with self._send_lock:
+            self.sock.sendall(_HEADER.pack(len(data)) + data)
+
+    def recv(self) -> dict | None:
+        head = self._read(_HEADER.size, eof_ok=True)
+        if head is None:
+            return None
+        (n,) = _HEADER.unpack(head)
+        if n > MAX_MESSAGE_BYTES:
+            raise ConnectionError(f"control message of {n} bytes exceeds {MAX_MESSAGE_BYTES}")
+        return json.loads(self._read(n, eof_ok=False))
+
+    def _read(self, n: int, eof_ok: bool) -> bytes | None:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = self.sock.recv(n - len(buf))
+            if not chunk:
+                if eof_ok and not buf:
+                    return None
+                raise ConnectionError(f"control peer closed after {len(buf)} of {n} bytes")
+            buf += chunk
+        return bytes(buf)
+
+    def close(self) -> None:
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+def listen(host: str = LOOPBACK, port: int = 0) -> socket.socket:
+    """A listening TCP socket on loopback; port 0 = a random free port (``sock.getsockname()``)."""
+    if host not in (LOOPBACK, "localhost"):
+        raise ValueError(f"the control plane listens on loopback only, got host={host!r}")
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((host, port))
+    sock.listen(16)
+    return sock
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"address must be host:port, got {address!r}")
+    return host, int(port)
+
+
+# ---- data plane ----------------------------------------------------------------------------
+def start_transfer_server(devices=None) -> jax_transfer.TransferServer:
+    """A TransferServer for this process's devices on loopback (random free ports)."""
+    devices = list(devices if devices is not None else jax.local_devices())
+    client = devices[0].client
+    return jax_transfer.start_transfer_server(client, f"{LOOPBACK}:0", [f"{LOOPBACK}:0"] * len(devices))
+
+
+def single_device(rows: jax.Array) -> jax.Array:
+    """``rows`` as an array on one device: a replicated array's first shard (no copy),
+    otherwise a gather onto its first device."""
+    if len(rows.sharding.device_set) == 1:
+        return rows
+    if rows.sharding.is_fully_replicated:
+        return rows.addressable_shards[0].data
+    return jax.device_put(rows, rows.addressable_shards[0].device)
+
+
+class KVSender:
+    """The sending end (prefill): ``offer(rows)`` makes ``rows`` pullable once under a fresh
+    uuid and returns the descriptor to announce over the control plane. An offer not pulled
+    within ``ttl_s`` seconds is dropped by the server (a receiver that died)."""
+
+    def __init__(self, server: jax_transfer.TransferServer | None = None, ttl_s: float = 120.0):
+        self.server = server or start_transfer_server()
+        self.address = self.server.address()
+        self.ttl_s = ttl_s
+        # uuids are random per process, so a restarted peer never meets a stale offer's id
+        self._ids = itertools.count(secrets.randbits(40) << 20)
+        self.bytes_offered = 0
+        self.offers = 0
+
+    def offer(self, rows: jax.Array) -> dict:
+        """Offer one array; returns ``{"uuid", "shape", "dtype", "nbytes"}`` (nbytes = the
+        array's bytes: elements x itemsize, exactly what the pull moves)."""
+        rows = single_device(rows)
+        uuid = next(self._ids)
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=self.ttl_s)
+        self.server.await_pull(uuid, [rows], timeout=deadline)
+        nbytes = int(rows.size) * rows.dtype.itemsize
+        self.bytes_offered += nbytes
+        self.offers += 1
+        return {"uuid": uuid, "shape": list(rows.shape), "dtype": str(rows.dtype), "nbytes": nbytes}
+
+
+class KVReceiver:
+    """The receiving end (decode): ``pull(desc, device)`` fetches an offered array onto
+    ``device``. Counts the bytes and the seconds spent in pulls (link throughput)."""
+
+    def __init__(self, sender_address: str, server: jax_transfer.TransferServer | None = None):
+        self.server = server or start_transfer_server()
+        self.connection = self.server.connect(sender_address)
+        self.bytes_received = 0
+        self.pull_seconds = 0.0
+        self.pulls = 0
+
+    def pull(self, desc: dict, device) -> jax.Array:
+        spec = jax.ShapeDtypeStruct(tuple(desc["shape"]), jnp.dtype(desc["dtype"]),
+                                    sharding=jax.sharding.SingleDeviceSharding(device))
+        t0 = time.perf_counter()
+        (rows,) = self.connection.pull(int(desc["uuid"]), [spec])
+        rows.block_until_ready()
+        self.pull_seconds += time.perf_counter() - t0
+        nbytes = int(rows.size) * rows.dtype.itemsize
+        if nbytes != desc["nbytes"]:
+            raise ValueError(f"pulled {nbytes} bytes for uuid {desc['uuid']}, announced {desc['nbytes']}")
+        self.bytes_received += nbytes
+        self.pulls += 1
+        return rows
+
+    @property
+    def throughput_Bps(self) -> float:
+        return self.bytes_received / self.pull_seconds if self.pull_seconds > 0 else 0.0

@@ -1,0 +1,124 @@
+"""Two-process PD serving: a prefill and a decode process (4 CPU devices each) moving the
+latent KV with jax.experimental.transfer give the tokens of pdjax.generate, receive exactly
+the latent rows, and survive a decode process killed mid-request."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+import pdjax
+from pdjax.disagg import RequestError
+from pdjax.disagg.serve import launch_two_process
+from pdjax.disagg.transfer import Control, KVReceiver, KVSender, listen
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the children compute as this test process does (conftest), and share its compilation cache
+CHILD_ENV = {"JAX_DEFAULT_MATMUL_PRECISION": "highest",
+             "JAX_COMPILATION_CACHE_DIR": os.path.join(ROOT, ".jax_cache"),
+             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"}
+NEW = 5
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_cfg):
+    rng = np.random.RandomState(1)
+    system = list(rng.randint(0, tiny_cfg.vocab_size, 20))
+    out = [list(rng.randint(0, tiny_cfg.vocab_size, n)) for n in (1, 7, 40)]
+    return out + [system + list(rng.randint(0, tiny_cfg.vocab_size, 9))]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_cfg, tiny_params, prompts):
+    out = pdjax.generate(tiny_params, tiny_cfg, prompts, max_new_tokens=NEW)
+    return [o[len(p):] for o, p in zip(out, prompts)]
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = launch_two_process("tiny", 0, prefill_mesh={"expert": 4}, decode_mesh={"data": 2, "expert": 2},
+                             block_size=16, max_decode_slots=4, max_context=256, env=CHILD_ENV,
+                             startup_timeout=60)
+    try:
+        yield srv
+    finally:
+        srv.close()                     # SIGKILL after a short grace, whatever happened
+        for proc, _ in srv.procs.values():
+            assert proc.poll() is not None
+
+
+def test_control_messages_round_trip():
+    lst = listen()
+    a = Control.connect("127.0.0.1:%d" % lst.getsockname()[1])
+    b = Control(lst.accept()[0])
+    try:
+        a.send({"op": "layer", "shape": [3, 40], "uuid": 2**62})
+        a.send({"op": "ready", "first_token": 7})
+        assert b.recv() == {"op": "layer", "shape": [3, 40], "uuid": 2**62}
+        assert b.recv()["first_token"] == 7
+        a.close()
+        assert b.recv() is None          # end of stream
+    finally:
+        b.close()
+        lst.close()
+    with pytest.raises(ValueError, match="loopback"):
+        listen("0.0.0.0")
+
+
+def test_transfer_channel_moves_exact_rows():
+    """Offer a replicated array on 4 devices, pull it onto another device: same values,
+    rows.nbytes counted on both ends (here sender and receiver share a process)."""
+    mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4], axis_types=(jax.sharding.AxisType.Auto,))
+    for dtype in (np.float32, jax.numpy.bfloat16):
+        rows = jax.device_put(np.arange(7 * 40).reshape(7, 40).astype(dtype),
+                              jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+        sender = KVSender()
+        receiver = KVReceiver(sender.address)
+        desc = sender.offer(rows)
+        assert desc["nbytes"] == rows.nbytes == 7 * 40 * np.dtype(dtype).itemsize
+        got = receiver.pull(desc, jax.devices()[6])
+        assert got.devices() == {jax.devices()[6]} and got.dtype == rows.dtype
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(rows))
+        assert receiver.bytes_received == sender.bytes_offered == rows.nbytes
+
+
+def test_two_process_equals_generate_and_receives_exact_latent_bytes(server, tiny_cfg, prompts, expected):
+    out = server.generate(prompts, max_new_tokens=NEW, timeout=90)
+    assert out == expected
+    row_bytes = (tiny_cfg.kv_lora_rank + tiny_cfg.qk_rope_head_dim) * tiny_cfg.num_hidden_layers * 4
+    for p, r in zip(prompts, server.stats["requests"]):
+        assert r["kv_bytes_received"] == len(p) * row_bytes
+        assert r["prefill_attempts"] == 1 and r["ttft"] > 0
+    total = sum(len(p) for p in prompts) * row_bytes
+    assert server.stats["kv_bytes_received"] == total
+    link = server.stats["link"]
+    assert link["kv_bytes_received"] == total
+    assert link["pulls"] == len(prompts) * tiny_cfg.num_hidden_layers
+    assert link["link_throughput_Bps"] > 0
+
+
+def test_bad_request_fails_alone(server, tiny_cfg, prompts, expected):
+    out = server.generate([prompts[1], [], [tiny_cfg.vocab_size]], max_new_tokens=NEW, timeout=60)
+    assert out[0] == expected[1]
+    assert isinstance(out[1], RequestError) and "empty prompt" in str(out[1])
+    assert isinstance(out[2], RequestError) and "outside" in str(out[2])
+
+
+def test_decode_killed_mid_request_is_restarted_and_reissued(server, prompts, expected):
+    old = server.procs["decode"][0]
+    streamed = {}
+    at_kill = {}
+
+    def on_token(i, tok):
+        streamed.setdefault(i, []).append(tok)
+        if not at_kill and len(streamed[i]) == 2:           # request i is 2 tokens into 5
+            at_kill.update({k: list(v) for k, v in streamed.items()})
+            server.kill_decode()                            # SIGKILL
+    out = server.generate(prompts, max_new_tokens=NEW, on_token=on_token, timeout=90)
+    assert out == expected
+    assert streamed == dict(enumerate(expected))            # each token streamed once
+    assert old.poll() is not None and server.procs["decode"][0].pid != old.pid
+    assert server.stats["decode_restarts"] == 1
+    mid = [i for i, toks in at_kill.items() if 0 < len(toks) < NEW]
+    assert mid and all(server.stats["requests"][i]["reissued"] == 1 for i in mid)
