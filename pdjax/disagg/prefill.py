@@ -65,14 +65,15 @@ class PrefillPool:
         self.params = shard_params(params, cfg, self.mesh)
         self.replicated = NamedSharding(self.mesh, P())
 
-    def run(self, req, push, prefix=None):
+    def run(self, req, push, prefix=None, timeline=None):
         """Prefill ``req``; call ``push(layer, rows)`` with each layer's latent rows [T, C+R]
         (the whole prompt) right after that layer is dispatched. Returns (first generated
         token, the pushed rows per layer).
 
         ``prefix``: (P, iterator of (layer, rows [P, C+R]) on this pool's devices) for a
         cached prefix of P tokens: only the remaining T - P tokens are computed, each layer
-        attending to its prefix rows, which the iterator delivers layer by layer."""
+        attending to its prefix rows, which the iterator delivers layer by layer.
+        ``timeline``: a :class:`pdjax.disagg.timeline.Timeline` to record each layer's compute."""
         T = len(req.prompt)
         P, loaded = prefix if prefix else (0, None)
         n = T - P
@@ -93,6 +94,8 @@ class PrefillPool:
                 assert layer_idx == l, (layer_idx, l)
                 x, kv = _layer_cached(lp, self.cfg, x, q_pos, prefix_rows, start, Tb, self.ep)
                 rows.append(kv[0, :T])
+            if timeline is not None:
+                timeline.record("prefill compute", f"layer {l}", x)
             push(l, rows[-1])
         s = req.sampling
         tok = _first_token(self.params, self.cfg, x, n - 1, jnp.float32([s.temperature]),

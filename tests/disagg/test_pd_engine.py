@@ -149,3 +149,27 @@ def test_prefix_cache_hits_and_identical_tokens(tiny_cfg, tiny_params, prompts, 
     assert r["prefix_hit_tokens"] == 0
     assert len(r["prefix_errors"]) == 1 and "failed its checksum" in r["prefix_errors"][0]
     assert eng.store.stats["corrupt_blocks"] == 1
+
+
+def test_layer_transfer_overlaps_next_layer_compute(tiny_cfg, pd, prompts, tmp_path):
+    """The copy of layer l is issued as soon as layer l is dispatched, before layer l+1's
+    compute is done: it is in flight while layer l+1 computes (ordering, not speed)."""
+    from pdjax.disagg.request import Request
+    from pdjax.disagg.timeline import Timeline
+    req = Request(0, prompts[2], 4)
+    res = pd.decode.reserve(req)
+    tl = Timeline()
+    target = pd.decode.target_device(res)
+    try:
+        pd.prefill.run(req, lambda l, rows: tl.record("kv transfer", f"layer {l}", jax.device_put(rows, target)),
+                       timeline=tl)
+    finally:
+        pd.decode.cancel(res)
+    tl.wait()
+    L = tiny_cfg.num_hidden_layers
+    for l in range(L - 1):
+        xfer, nxt = tl.span("kv transfer", f"layer {l}"), tl.span("prefill compute", f"layer {l + 1}")
+        assert xfer["issued"] <= nxt["ready"]                      # in flight during layer l+1
+        assert tl.span("prefill compute", f"layer {l}")["ready"] <= xfer["ready"]  # after its data exists
+    trace = tl.to_chrome_trace(str(tmp_path / "handoff_trace.json"))
+    assert sum(e.get("ph") == "X" for e in trace["traceEvents"]) == 2 * L
