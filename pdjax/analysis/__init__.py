@@ -61,3 +61,11 @@ from pdjax.analysis.costmodel_fit import PrefillCostFit, fit_prefill_cost  # noq
 
 __all__ += ["CalibrationResult", "Efficiency", "OpCost", "PrefillCostFit", "RooflineCostModel",
             "calibrate", "expected_distinct_experts", "fit_prefill_cost", "measure_prefill"]
+
+# Decode-step calibration: t(B, K) = d0 + d1 B + d2 K fitted to real pdjax.decode_step times.
+from pdjax.analysis.costmodel_calibrate import (DecodeCalibrationResult,  # noqa: E402
+                                                calibrate_decode, measure_decode)
+from pdjax.analysis.costmodel_fit import DecodeCostFit, fit_decode_cost  # noqa: E402
+
+__all__ += ["DecodeCalibrationResult", "DecodeCostFit", "calibrate_decode", "fit_decode_cost",
+            "measure_decode"]

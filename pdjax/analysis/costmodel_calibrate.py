@@ -1,4 +1,7 @@
-"""Calibrate the prefill cost model against the real JAX chunked prefill.
+"""Calibrate the prefill and decode cost models against the real JAX model.
+
+Decode (:func:`calibrate_decode`, :func:`measure_decode`) is described there; the rest of
+this docstring is the prefill protocol.
 
 For each shape (q, c) a cache of ``c + q`` positions is filled with a real prefix of c
 tokens (chunked prefill in chunks of q, so the prefix reuses the program being timed,
@@ -23,7 +26,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from pdjax.analysis.costmodel_fit import PrefillCostFit, fit_prefill_cost, relative_errors
+from pdjax.analysis.costmodel_fit import (DecodeCostFit, PrefillCostFit, decode_design_matrix,
+                                          fit_decode_cost, fit_prefill_cost, relative_errors)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +116,7 @@ def _summarise(times: dict, shapes, holdout, statistic: str):
     return tuple(map(one, shapes)), tuple(map(one, holdout))
 
 
-def _check_shapes(name: str, shapes) -> list[tuple[int, int]]:
+def _check_shapes(name: str, shapes, labels=("q", "c"), lows=(1, 0)) -> list[tuple[int, int]]:
     out = []
     for item in shapes:
         try:
@@ -121,9 +125,11 @@ def _check_shapes(name: str, shapes) -> list[tuple[int, int]]:
         except (TypeError, ValueError):
             ok = False
         if not ok:
-            raise ValueError(f"{name} must hold integer (q, c) pairs, got {item!r}")
-        if q < 1 or c < 0:
-            raise ValueError(f"{name}: need q >= 1 and c >= 0, got {(q, c)}")
+            raise ValueError(f"{name} must hold integer ({labels[0]}, {labels[1]}) pairs, "
+                             f"got {item!r}")
+        if q < lows[0] or c < lows[1]:
+            raise ValueError(f"{name}: need {labels[0]} >= {lows[0]} and {labels[1]} >= "
+                             f"{lows[1]}, got {(q, c)}")
         out.append((q, c))
     if len(set(out)) != len(out):
         raise ValueError(f"{name} has duplicate shapes: {out}")
@@ -207,3 +213,196 @@ def calibrate(params, cfg, shapes: Sequence[tuple[int, int]], repeats: int = 5, 
     return CalibrationResult(fit=fit_prefill_cost(samples, intercept=intercept), samples=samples,
                              holdout=held, repeats=times, backend=jax.default_backend(),
                              statistic=statistic)
+
+
+# ---- decode steps -----------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCalibrationResult:
+    """Measured decode-step times, the fit t(B, K) = d0 + d1 B + d2 K to the training shapes
+    and its held-out error.
+
+    ``samples`` / ``holdout``: (B, K, seconds) with K = B * L the cached tokens of the
+    batch; ``repeats``: raw times {(B, L): [seconds, ...]} keyed by the measured shape
+    (B requests of L cached tokens each); ``fit``: fitted to ``samples`` only."""
+
+    fit: DecodeCostFit
+    samples: tuple
+    holdout: tuple
+    repeats: dict
+    backend: str
+    statistic: str = "median"
+
+    @property
+    def holdout_errors(self) -> np.ndarray:
+        return relative_errors(self.fit, self.holdout) if self.holdout else np.zeros(0)
+
+    def _errors(self) -> np.ndarray:
+        return self.holdout_errors if self.holdout else relative_errors(self.fit, self.samples)
+
+    @property
+    def median_error(self) -> float:
+        """Median relative error on the held-out shapes (on the training shapes if none)."""
+        return float(np.median(self._errors()))
+
+    @property
+    def max_error(self) -> float:
+        return float(np.max(self._errors()))
+
+    def refit(self, *, statistic: Optional[str] = None) -> "DecodeCalibrationResult":
+        """The same measurements summarised by another statistic and refitted."""
+        statistic = self.statistic if statistic is None else _check_statistic(statistic)
+        samples, held = _summarise_decode(self.repeats, _decode_shapes(self.samples),
+                                          _decode_shapes(self.holdout), statistic)
+        return dataclasses.replace(self, fit=fit_decode_cost(samples), samples=samples,
+                                   holdout=held, statistic=statistic)
+
+    def rows(self) -> list[dict]:
+        """One dict per shape: B, L (cached tokens per request), K = B L, split,
+        measured_s, predicted_s, rel_error, spread (max/min of the repeats)."""
+        out = []
+        for split, samples in (("fit", self.samples), ("held-out", self.holdout)):
+            for (B, L), (_, K, t) in zip(_decode_shapes(samples), samples):
+                pred = float(self.fit(B, K))
+                raw = self.repeats.get((B, L), [t])
+                out.append(dict(B=B, L=L, K=int(K), split=split, measured_s=t, predicted_s=pred,
+                                rel_error=abs(pred - t) / t, spread=max(raw) / min(raw)))
+        return out
+
+    def table(self) -> str:
+        lines = [f"{'B':>4} {'L':>6} {'K':>7} {'split':>9} {'measured ms':>12} "
+                 f"{'predicted ms':>13} {'rel err':>8} {'max/min':>8}"]
+        for r in self.rows():
+            lines.append(f"{r['B']:>4} {r['L']:>6} {r['K']:>7} {r['split']:>9} "
+                         f"{r['measured_s'] * 1e3:>12.2f} {r['predicted_s'] * 1e3:>13.2f} "
+                         f"{r['rel_error'] * 100:>7.1f}% {r['spread']:>8.2f}")
+        where = "held-out" if self.holdout else "training (no held-out shapes)"
+        lines.append(f"{self.fit}")
+        lines.append(f"{where} relative error: median {self.median_error * 100:.1f} %, "
+                     f"max {self.max_error * 100:.1f} %  [{self.statistic} of "
+                     f"{min(len(v) for v in self.repeats.values())} repeats, "
+                     f"backend {self.backend}]")
+        return "\n".join(lines)
+
+
+def _decode_shapes(samples) -> list[tuple[int, int]]:
+    """(B, K, seconds) samples -> the measured (B, L) shapes (K = B L)."""
+    return [(int(B), int(K) // int(B)) for B, K, _ in samples]
+
+
+def _summarise_decode(times: dict, shapes, holdout, statistic: str):
+    f = STATISTICS[statistic]
+    one = lambda bl: (bl[0], bl[0] * bl[1], float(f(times[bl])))  # noqa: E731
+    return tuple(map(one, shapes)), tuple(map(one, holdout))
+
+
+def _check_decode_shapes(name: str, shapes, cfg) -> list[tuple[int, int]]:
+    out = _check_shapes(name, shapes, labels=("B", "L"), lows=(1, 1))
+    for B, L in out:
+        if L + 1 > cfg.max_position_embeddings:
+            raise ValueError(f"{name}: shape (B={B}, L={L}) needs a cache of L + 1 = {L + 1} "
+                             f"positions, over max_position_embeddings="
+                             f"{cfg.max_position_embeddings}")
+    return out
+
+
+def measure_decode(params, cfg, shapes: Sequence[tuple[int, int]], repeats: int = 5, *,
+                   seed: int = 0, distinct_rows: Optional[int] = None,
+                   prefill_tokens: int = 8192) -> dict:
+    """Seconds of one real ``pdjax.decode_step`` for each (B, L) shape: B requests, each
+    with L cached tokens, so the step reads K = B L cached tokens. Returns
+    {(B, L): [seconds of each repeat]}.
+
+    The cache of each shape holds exactly L + 1 positions (the reference decode attends
+    over the whole buffer, masked, so its cost is that of L cached tokens plus the new
+    one). Its contents come from one real ``pdjax.prefill(..., max_len=L_max + 1)`` of
+    random prompts of the longest L asked for: a shape's cache is the first L positions
+    of it (exactly the prefill of the first L tokens: the prefill is causal), cut to a
+    buffer of L + 1. ``distinct_rows`` (default: the largest B) prompts are prefilled, in
+    row groups of about ``prefill_tokens`` tokens to bound the prefill's memory, and a
+    batch of B > ``distinct_rows`` repeats them (the timing depends on the cache's
+    contents only through the MoE routing, which the distinct next tokens of each row
+    keep varied). Each shape is compiled and run once before timing; each timed call gets
+    a fresh copy of the cache (it is donated) and new random next tokens, and ends in
+    ``block_until_ready``. Repeats are interleaved over the shapes in shuffled rounds."""
+    import jax
+    import jax.numpy as jnp
+
+    import pdjax
+    from pdjax.model.cache import KVCache
+
+    shapes = _check_decode_shapes("shapes", shapes, cfg)
+    for name, value in (("repeats", repeats), ("prefill_tokens", prefill_tokens),
+                        ("distinct_rows", 1 if distinct_rows is None else distinct_rows)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    rng = np.random.default_rng(seed)
+
+    def tokens(*shape):
+        return rng.integers(0, cfg.vocab_size, shape, dtype=np.int32)
+
+    def fresh(cache):
+        return jax.block_until_ready(jax.tree.map(jnp.copy, cache))
+
+    L_max = max(L for _, L in shapes)
+    B_max = max(B for B, _ in shapes)
+    rows = B_max if distinct_rows is None else min(B_max, distinct_rows)
+    group = max(1, prefill_tokens // L_max)
+    parts = [pdjax.prefill(params, cfg, tokens(min(group, rows - start), L_max),
+                           max_len=L_max + 1)[1] for start in range(0, rows, group)]
+    full = jax.block_until_ready(tuple(jnp.concatenate(layer) for layer in
+                                       zip(*(p.kv for p in parts))))
+
+    prepared = []
+    for B, L in shapes:
+        pick = jnp.asarray(np.arange(B) % rows)
+        cache = jax.block_until_ready(KVCache(
+            kv=tuple(jnp.take(k[:, :L + 1], pick, axis=0) for k in full),
+            lengths=jnp.full((B,), L, jnp.int32)))
+        # compile + warm-up, excluded from the timings
+        jax.block_until_ready(pdjax.decode_step(params, cfg, tokens(B), fresh(cache)))
+        prepared.append(((B, L), cache))
+    del parts, full
+
+    times = {shape: [] for shape in shapes}
+    for _ in range(repeats):
+        for i in rng.permutation(len(prepared)):
+            (B, L), cache = prepared[i]
+            nxt = jax.block_until_ready(jnp.asarray(tokens(B)))
+            work = fresh(cache)
+            t0 = time.perf_counter()
+            jax.block_until_ready(pdjax.decode_step(params, cfg, nxt, work))
+            times[(B, L)].append(time.perf_counter() - t0)
+    return times
+
+
+def calibrate_decode(params, cfg, shapes: Sequence[tuple[int, int]], repeats: int = 5, *,
+                     holdout: Sequence[tuple[int, int]] = (), seed: int = 0,
+                     statistic: str = "median", distinct_rows: Optional[int] = None,
+                     prefill_tokens: int = 8192) -> DecodeCalibrationResult:
+    """Measure real decode steps of ``cfg`` on the current jax backend for ``shapes``
+    (B requests, L cached tokens each; fitted) and ``holdout`` (measured in the same
+    interleaved rounds, only predicted), fit t(B, K) = d0 + d1 B + d2 K with K = B L to the
+    ``statistic`` ("median" or "min") of each fitted shape's repeats, and report the
+    held-out relative error. Needs >= 3 fitting shapes that vary both B and K
+    independently (the columns [1, B, K] of full rank). See :func:`measure_decode`."""
+    import jax
+
+    _check_statistic(statistic)
+    shapes = _check_decode_shapes("shapes", shapes, cfg)
+    holdout = _check_decode_shapes("holdout", holdout, cfg)
+    if set(shapes) & set(holdout):
+        raise ValueError(f"shapes and holdout overlap: {sorted(set(shapes) & set(holdout))}")
+    if len(shapes) < 3:
+        raise ValueError(f"calibrate_decode needs at least 3 fitting shapes, got {len(shapes)}")
+    Bs = np.array([B for B, _ in shapes], np.float64)
+    Ks = np.array([B * L for B, L in shapes], np.float64)
+    if np.linalg.matrix_rank(decode_design_matrix(Bs, Ks)) < 3:
+        raise ValueError("calibrate_decode: the fitting shapes do not separate d0, d1 and d2 "
+                         "(vary B and K = B L independently, e.g. two B at two L)")
+    times = measure_decode(params, cfg, shapes + holdout, repeats, seed=seed,
+                           distinct_rows=distinct_rows, prefill_tokens=prefill_tokens)
+    samples, held = _summarise_decode(times, shapes, holdout, statistic)
+    return DecodeCalibrationResult(fit=fit_decode_cost(samples), samples=samples, holdout=held,
+                                   repeats=times, backend=jax.default_backend(),
+                                   statistic=statistic)

@@ -13,6 +13,9 @@ unconstrained least-squares problem on every subset of the columns and keeping t
 subset whose solution is non-negative (the optimum's support is one of them: on its
 support it is the unconstrained solution). Columns are scaled to unit norm before
 solving, so noise-free samples are recovered to ~1e-12 relative.
+
+The decode step has its own model, t(B, K) = d0 + d1 B + d2 K (B requests, K cached
+tokens summed over them), fitted by the same NNLS (:func:`fit_decode_cost`).
 """
 
 from __future__ import annotations
@@ -99,17 +102,20 @@ def _check_int(name: str, value, low: int) -> int:
     return int(value)
 
 
-def _as_samples(samples) -> np.ndarray:
+def _as_samples(samples, names: tuple[str, str] = ("q", "c")) -> np.ndarray:
+    """(x, y, seconds) triples -> float64 array [n, 3], finite and >= 0 (``names``: what
+    x and y are called in the error messages)."""
+    what = f"({names[0]}, {names[1]}, seconds) triples"
     try:
         arr = np.asarray([tuple(s) for s in samples], dtype=np.float64)
     except (TypeError, ValueError):
-        raise ValueError("samples must be a sequence of (q, c, seconds) triples") from None
+        raise ValueError(f"samples must be a sequence of {what}") from None
     if arr.ndim != 2 or arr.shape[1] != 3:
-        raise ValueError(f"samples must be (q, c, seconds) triples, got shape {arr.shape}")
+        raise ValueError(f"samples must be {what}, got shape {arr.shape}")
     if not np.all(np.isfinite(arr)):
         bad = arr[~np.all(np.isfinite(arr), axis=1)][0]
         raise ValueError(f"samples must be finite, got {tuple(bad)}")
-    for col, name in ((0, "q"), (1, "c"), (2, "seconds")):
+    for col, name in ((0, names[0]), (1, names[1]), (2, "seconds")):
         if np.any(arr[:, col] < 0):
             raise ValueError(f"sample {name} must be >= 0, got {arr[arr[:, col] < 0, col][0]!r}")
     return arr
@@ -177,9 +183,67 @@ def fit_prefill_cost(samples: Sequence[tuple[float, float, float]], *,
     return PrefillCostFit(a=a, b=b, g=g, r2=r2, n=len(arr), d=d)
 
 
-def relative_errors(fit: PrefillCostFit, samples) -> np.ndarray:
-    """|predicted - measured| / measured for each (q, c, seconds) sample."""
-    arr = _as_samples(samples)
+def relative_errors(fit, samples) -> np.ndarray:
+    """|predicted - measured| / measured for each sample: (q, c, seconds) for a
+    :class:`PrefillCostFit`, (B, K, seconds) for a :class:`DecodeCostFit`."""
+    arr = _as_samples(samples, ("B", "K") if isinstance(fit, DecodeCostFit) else ("q", "c"))
     if np.any(arr[:, 2] <= 0):
         raise ValueError("relative errors need measured seconds > 0")
     return np.abs(fit(arr[:, 0], arr[:, 1]) - arr[:, 2]) / arr[:, 2]
+
+
+# ---- decode step: t(B, K) = d0 + d1 B + d2 K ------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCostFit:
+    """t(B, K) = d0 + d1 B + d2 K seconds for one decode step of B requests holding K cached
+    tokens in total (summed over the batch); ``r2`` on the ``n`` samples it was fitted to.
+
+    d0 is the per-step cost that does not grow with the batch (the weight read of a
+    memory-bound step, dispatch), d1 the per-request cost (activations, expert rows,
+    the lm_head row), d2 the per-cached-token cost (reading the latent KV in attention)."""
+
+    d0: float
+    d1: float
+    d2: float
+    r2: float
+    n: int
+
+    def __call__(self, B, K):
+        """Predicted seconds of a step of ``B`` requests over ``K`` cached tokens in total
+        (scalars or numpy arrays)."""
+        return self.d0 + self.d1 * B + self.d2 * K
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        return (f"t(B, K) = {self.d0:.4g} + {self.d1:.4g} B + {self.d2:.4g} K s  "
+                f"(R^2 = {self.r2:.4f}, n = {self.n})")
+
+
+def decode_design_matrix(B, K) -> np.ndarray:
+    """Columns [1, B, K] of the decode step model."""
+    B = np.asarray(B, np.float64)
+    K = np.asarray(K, np.float64)
+    return np.stack([np.ones_like(B), B, K], axis=1)
+
+
+def fit_decode_cost(samples: Sequence[tuple[float, float, float]]) -> DecodeCostFit:
+    """Fit t(B, K) = d0 + d1 B + d2 K to measured decode steps ``samples``
+    [(B, K, seconds), ...] (B requests, K cached tokens summed over them) by non-negative
+    least squares (the exact NNLS of :func:`nnls_small`, as for the prefill); returns a
+    :class:`DecodeCostFit` with R^2 on the samples.
+
+    ValueError: fewer than 3 samples, non-finite or negative values, or B < 1 (a decode step
+    serves at least one request)."""
+    arr = _as_samples(samples, ("B", "K"))
+    if len(arr) < 3:
+        raise ValueError(f"fit_decode_cost needs at least 3 samples, got {len(arr)}")
+    B, K, y = arr[:, 0], arr[:, 1], arr[:, 2]
+    if np.any(B < 1):
+        raise ValueError(f"sample B must be >= 1 (requests in the step), got {B[B < 1][0]!r}")
+    X = decode_design_matrix(B, K)
+    coef = nnls_small(X, y)
+    d0, d1, d2 = (float(v) for v in coef)
+    return DecodeCostFit(d0=d0, d1=d1, d2=d2, r2=r_squared(y, X @ coef), n=len(arr))

@@ -4,6 +4,7 @@ Figures from BRIEF.md are recomputed from configs and presets (never typed in as
 a literal is only the brief's rounded result, compared at the precision it is printed.
 """
 
+import dataclasses
 import math
 
 import numpy as np
@@ -375,3 +376,106 @@ def test_calibrate_bad_input(tiny_cfg, tiny_params):
         A.calibrate(tiny_params, tiny_cfg, [(8, 0), (16, 0), (32, 0)], statistic="mean")
     with pytest.raises(ValueError, match="repeats"):
         A.measure_prefill(tiny_params, tiny_cfg, [(8, 0)], repeats=0)
+
+
+# ---- fitted decode step cost t(B, K) = d0 + d1 B + d2 K ------------------------------------
+
+DECODE_GRID = [(B, B * L) for B in (1, 4, 16, 64) for L in (64, 512, 4096)]
+
+
+def synthetic_decode(d0, d1, d2, shapes=DECODE_GRID):
+    return [(B, K, d0 + d1 * B + d2 * K) for B, K in shapes]
+
+
+def test_fit_decode_recovers_noise_free_coefficients():
+    d0, d1, d2 = 0.021, 3.7e-4, 1.3e-7
+    fit = A.fit_decode_cost(synthetic_decode(d0, d1, d2))
+    assert (fit.d0, fit.d1, fit.d2) == pytest.approx((d0, d1, d2), rel=1e-9)
+    assert fit.r2 == pytest.approx(1.0, abs=1e-12) and fit.n == len(DECODE_GRID)
+    assert fit(8, 8000) == pytest.approx(d0 + 8 * d1 + 8000 * d2, rel=1e-12)
+    Bs, Ks = np.array([1, 2, 3]), np.array([10, 200, 3000])
+    assert np.allclose(fit(Bs, Ks), d0 + d1 * Bs + d2 * Ks)
+    assert fit.as_dict()["d2"] == fit.d2 and "R^2" in str(fit)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fit.d0 = 1.0
+    # exactly three independent samples determine it
+    three = A.fit_decode_cost(synthetic_decode(d0, d1, d2, [(1, 64), (8, 64), (8, 8192)]))
+    assert (three.d0, three.d1, three.d2) == pytest.approx((d0, d1, d2), rel=1e-9)
+
+
+def test_fit_decode_is_non_negative_and_tolerates_noise():
+    # a time that falls with B: NNLS pins d1 at 0 instead of going negative
+    falling = [(1, 100, 0.05), (2, 100, 0.04), (4, 100, 0.03), (4, 4000, 0.04)]
+    fit = A.fit_decode_cost(falling)
+    assert min(fit.d0, fit.d1, fit.d2) >= 0 and fit.d1 == 0 and fit.r2 < 1
+    rng = np.random.default_rng(1)
+    clean = synthetic_decode(0.02, 1e-3, 1.3e-6)
+    noisy = [(B, K, t * (1 + 0.02 * rng.standard_normal())) for B, K, t in clean]
+    fit = A.fit_decode_cost(noisy)
+    assert fit.r2 > 0.99
+    assert np.median([abs(fit(B, K) - t) / t for B, K, t in clean]) < 0.05
+    errs = A.costmodel_fit.relative_errors(fit, clean)
+    assert errs.shape == (len(clean),) and np.median(errs) < 0.05
+
+
+@pytest.mark.parametrize("samples, match", [
+    ([(1, 0, 1.0), (2, 0, 2.0)], "at least 3"),
+    ([(1, 0, 1.0), (2, 0, float("nan")), (3, 0, 3.0)], "finite"),
+    ([(1, 0, 1.0), (2, -3, 2.0), (3, 0, 3.0)], "K"),
+    ([(1, 0, 1.0), (2, 0, -2.0), (3, 0, 3.0)], "seconds"),
+    ([(0, 0, 1.0), (2, 0, 2.0), (3, 0, 3.0)], "B must be >= 1"),
+    ([(1, 0), (2, 0), (3, 0)], r"\(B, K, seconds\) triples"),
+    ("abc", "triples"),
+])
+def test_fit_decode_bad_input(samples, match):
+    with pytest.raises(ValueError, match=match):
+        A.fit_decode_cost(samples)
+
+
+# ---- calibration against the real decode step ----------------------------------------------
+
+def test_calibrate_decode_tiny_real(tiny_cfg, tiny_params):
+    """A small real decode calibration on configs.tiny(): the fit explains the
+    measurements (R^2 > 0.9). Steps of ~1-10 ms: the K = 32,000 corner's attention over
+    the latent cache dominates the noise of a shared machine."""
+    shapes = [(1, 128), (32, 128), (1, 1000), (32, 1000)]
+    result = A.calibrate_decode(tiny_params, tiny_cfg, shapes, repeats=5, holdout=[(16, 512)],
+                                distinct_rows=8)
+    assert result.fit.r2 > 0.9, result.table()
+    assert [(B, K) for B, K, _ in result.samples] == [(B, B * L) for B, L in shapes]
+    assert result.holdout[0][:2] == (16, 16 * 512)
+    assert all(t > 0 for _, _, t in result.samples + result.holdout)
+    assert set(result.repeats) == set(shapes) | {(16, 512)}
+    assert all(len(v) == 5 for v in result.repeats.values())
+    assert np.isfinite(result.median_error) and result.max_error >= result.median_error
+    rows = result.rows()
+    assert len(rows) == 5 and rows[-1]["split"] == "held-out" and rows[-1]["L"] == 512
+    assert "held-out relative error" in result.table()
+    by_min = result.refit(statistic="min")
+    assert by_min.statistic == "min" and by_min.fit.n == 4
+    assert by_min.samples[0][2] == min(result.repeats[shapes[0]])
+
+
+def test_calibrate_decode_bad_input(tiny_cfg, tiny_params):
+    ok = [(1, 8), (2, 8), (2, 16)]
+    with pytest.raises(ValueError, match="at least 3"):
+        A.calibrate_decode(tiny_params, tiny_cfg, ok[:2])
+    with pytest.raises(ValueError, match="separate"):       # K constant: d0 and d2 collide
+        A.calibrate_decode(tiny_params, tiny_cfg, [(1, 64), (2, 32), (4, 16)])
+    with pytest.raises(ValueError, match="overlap"):
+        A.calibrate_decode(tiny_params, tiny_cfg, ok, holdout=[(1, 8)])
+    with pytest.raises(ValueError, match="B >= 1"):
+        A.calibrate_decode(tiny_params, tiny_cfg, [(0, 8), (2, 8), (2, 16)])
+    with pytest.raises(ValueError, match="L >= 1"):
+        A.calibrate_decode(tiny_params, tiny_cfg, [(1, 0), (2, 8), (2, 16)])
+    with pytest.raises(ValueError, match="integer"):
+        A.calibrate_decode(tiny_params, tiny_cfg, [(1.5, 8), (2, 8), (2, 16)])
+    with pytest.raises(ValueError, match="duplicate"):
+        A.calibrate_decode(tiny_params, tiny_cfg, [(1, 8), (1, 8), (2, 8), (2, 16)])
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        A.calibrate_decode(tiny_params, tiny_cfg, [(1, 8), (2, 8), (2, 1024)])
+    with pytest.raises(ValueError, match="statistic"):
+        A.calibrate_decode(tiny_params, tiny_cfg, ok, statistic="mean")
+    for kwargs in (dict(repeats=0), dict(distinct_rows=0), dict(prefill_tokens=True)):
+        with pytest.raises(ValueError, match=next(iter(kwargs))):
+            A.measure_decode(tiny_params, tiny_cfg, [(1, 8)], **kwargs)
