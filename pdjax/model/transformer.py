@@ -67,6 +67,9 @@ def ffn(lp, cfg: ModelConfig, x_BTD, moe_impl=None):
     return moe_lib.swiglu(x_BTD, m["w_gate"], m["w_up"], m["w_down"])
 
 
+CAUSAL_BLOCKS = 4
+
+
 def attention(lp, cfg: ModelConfig, x_BTD, q_pos_BT, kv_layer_BSL=None, start_B=None, absorbed=False):
     """Self-attention sub-layer (input already normed). Returns (out [B,T,D], kv).
 
@@ -89,8 +92,11 @@ def attention(lp, cfg: ModelConfig, x_BTD, q_pos_BT, kv_layer_BSL=None, start_B=
         else:
             kv = view = write_rows(kv_layer_BSL, new_BTL, start_B)
         mask = mla.causal_mask(q_pos_BT, view.shape[1])
-    attend = mla.attend_absorbed if absorbed else mla.attend_naive
-    o = attend(p, cfg, q_nope, q_pe, view, mask)
+    if absorbed:
+        o = mla.attend_absorbed(p, cfg, q_nope, q_pe, view, mask)
+    else:   # a chunk attending only to itself skips the fully masked upper score blocks
+        blocks = CAUSAL_BLOCKS if kv_layer_BSL is None and x_BTD.shape[1] >= 128 else 1
+        o = mla.attend_naive(p, cfg, q_nope, q_pe, view, mask, causal_blocks=blocks)
     return mla.output_proj(p, o), kv
 
 

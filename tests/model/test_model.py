@@ -152,3 +152,19 @@ def test_generate_bad_arguments(tiny_cfg, tiny_params):
 def test_cache_bounds(tiny_cfg):
     with pytest.raises(ValueError, match="max_position_embeddings"):
         init_cache(tiny_cfg, 1, tiny_cfg.max_position_embeddings + 1)
+
+
+@pytest.mark.parametrize("blocks", [2, 4])
+def test_causal_block_skipping_equals_full_attention(tiny_cfg, tiny_params, blocks):
+    cfg, p = tiny_cfg, tiny_params["layers"][1]["attn"]
+    B, T = 2, 16
+    rng = jax.random.split(jax.random.key(2), 2)
+    x = jax.random.normal(rng[0], (B, T, cfg.hidden_size))
+    q_pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+    cos, sin = mla.rope_cos_sin(cfg, q_pos)
+    q_nope, q_pe = mla.project_q(p, cfg, x, cos, sin)
+    kv = mla.project_kv_latent(p, cfg, x, cos, sin)
+    mask = mla.causal_mask(q_pos, T)
+    full = mla.attend_naive(p, cfg, q_nope, q_pe, kv, mask)
+    np.testing.assert_allclose(mla.attend_naive(p, cfg, q_nope, q_pe, kv, mask, causal_blocks=blocks),
+                               full, atol=TOL, rtol=0)
