@@ -167,9 +167,11 @@ def test_layer_transfer_overlaps_next_layer_compute(tiny_cfg, pd, prompts, tmp_p
         pd.decode.cancel(res)
     tl.wait()
     L = tiny_cfg.num_hidden_layers
+    assert all(s["ready"] is not None for s in tl.spans)
     for l in range(L - 1):
         xfer, nxt = tl.span("kv transfer", f"layer {l}"), tl.span("prefill compute", f"layer {l + 1}")
-        assert xfer["issued"] <= nxt["ready"]                      # in flight during layer l+1
-        assert tl.span("prefill compute", f"layer {l}")["ready"] <= xfer["ready"]  # after its data exists
+        # the copy of layer l is issued before layer l+1 is even dispatched (the prefill never
+        # waits for a transfer), so it is in flight while layer l+1 computes
+        assert xfer["issued"] <= nxt["issued"] <= nxt["ready"]
     trace = tl.to_chrome_trace(str(tmp_path / "handoff_trace.json"))
     assert sum(e.get("ph") == "X" for e in trace["traceEvents"]) == 2 * L
