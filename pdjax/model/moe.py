@@ -3,14 +3,18 @@
 Einsum legend: N tokens, D hidden, E routed experts, F expert intermediate size,
 k experts per token, A = N*k assignments, G tiles, T rows per tile.
 
-Dispatch sorts the A (token, expert) assignments by expert. Two exact back ends compute the
+Dispatch sorts the A (token, expert) assignments by expert. Three exact back ends compute the
 experts over the sorted rows:
-  * ``"ragged"``: ``jax.lax.ragged_dot`` grouped GEMM (GPU/TPU; XLA:CPU lowers it to a dense
-    dot over every expert, so it is not used there by default);
+  * ``"bucketed"`` (XLA:CPU default): rows into an [E, C, D] buffer, C = ceil(1.25 A/E), one
+    batched GEMM against the weights as stored; ``lax.cond`` falls back to 2C, then to tiled,
+    when an expert gets more rows;
   * ``"tiled"``: each expert's rows are padded to a multiple of a tile of T rows, every tile
     belongs to one expert, and tiles run as a batched GEMM against their expert's weights.
     Padding is at most T-1 rows per non-empty expert, chosen so the FLOP overhead is
-    <= 12.5 % of the ideal; nothing is ever dropped.
+    <= 12.5 % of the ideal;
+  * ``"ragged"``: ``jax.lax.ragged_dot`` grouped GEMM (GPU/TPU; XLA:CPU lowers it to a dense
+    dot over every expert, so it is not used there by default).
+Nothing is ever dropped.
 """
 
 from __future__ import annotations
@@ -199,7 +203,7 @@ def routed_experts(p, x_ND, weights_Nk, idx_Nk, impl: str | None = None):
 def moe(p, cfg: ModelConfig, x_ND, impl=None):
     """Routed experts plus shared experts, for flattened tokens [N,D].
 
-    ``impl``: "tiled" / "ragged" (single device), or a callable ``impl(p, cfg, x_ND)`` that
+    ``impl``: "bucketed" / "tiled" / "ragged" (single device), or a callable ``impl(p, cfg, x_ND)`` that
     computes the whole layer another way (e.g. pdjax.parallel's expert parallelism)."""
     if callable(impl):
         return impl(p, cfg, x_ND)

@@ -255,7 +255,7 @@ def forward(params, cfg: ModelConfig, tokens, *, moe_impl=None, batch_sharding=N
             return_stats: bool = False):
     """Logits [B,T,V] (float32) of a full causal forward, no cache.
 
-    ``moe_impl``: "tiled", "ragged" or a MoE callable (expert parallelism);
+    ``moe_impl``: "bucketed", "tiled", "ragged" or a MoE callable (expert parallelism);
     ``batch_sharding``: where batch-major inputs go (a mesh's DP sharding);
     ``return_stats``: also return {"dropped_per_moe_layer": [moe layers]}.
     """
