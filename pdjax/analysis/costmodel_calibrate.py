@@ -86,19 +86,7 @@ class CalibrationResult:
         return out
 
     def table(self) -> str:
-        lines = [f"{'q':>6} {'c':>6} {'split':>9} {'measured ms':>12} {'predicted ms':>13} "
-                 f"{'rel err':>8} {'max/min':>8}"]
-        for r in self.rows():
-            lines.append(f"{r['q']:>6} {r['c']:>6} {r['split']:>9} {r['measured_s'] * 1e3:>12.2f} "
-                         f"{r['predicted_s'] * 1e3:>13.2f} {r['rel_error'] * 100:>7.1f}% "
-                         f"{r['spread']:>8.2f}")
-        where = "held-out" if self.holdout else "training (no held-out shapes)"
-        lines.append(f"{self.fit}")
-        lines.append(f"{where} relative error: median {self.median_error * 100:.1f} %, "
-                     f"max {self.max_error * 100:.1f} %  [{self.statistic} of "
-                     f"{min(len(v) for v in self.repeats.values())} repeats, "
-                     f"backend {self.backend}]")
-        return "\n".join(lines)
+        return _calibration_table(self, (("q", 6), ("c", 6)))
 
 
 STATISTICS = {"median": np.median, "min": np.min}
@@ -270,19 +258,24 @@ class DecodeCalibrationResult:
         return out
 
     def table(self) -> str:
-        lines = [f"{'B':>4} {'L':>6} {'K':>7} {'split':>9} {'measured ms':>12} "
-                 f"{'predicted ms':>13} {'rel err':>8} {'max/min':>8}"]
-        for r in self.rows():
-            lines.append(f"{r['B']:>4} {r['L']:>6} {r['K']:>7} {r['split']:>9} "
-                         f"{r['measured_s'] * 1e3:>12.2f} {r['predicted_s'] * 1e3:>13.2f} "
-                         f"{r['rel_error'] * 100:>7.1f}% {r['spread']:>8.2f}")
-        where = "held-out" if self.holdout else "training (no held-out shapes)"
-        lines.append(f"{self.fit}")
-        lines.append(f"{where} relative error: median {self.median_error * 100:.1f} %, "
-                     f"max {self.max_error * 100:.1f} %  [{self.statistic} of "
-                     f"{min(len(v) for v in self.repeats.values())} repeats, "
-                     f"backend {self.backend}]")
-        return "\n".join(lines)
+        return _calibration_table(self, (("B", 4), ("L", 6), ("K", 7)))
+
+
+def _calibration_table(result, keys) -> str:
+    """Measured vs predicted per shape (``keys``: (column, width) of the shape columns),
+    the fit and the error summary; shared by the prefill and decode results."""
+    head = " ".join(f"{k:>{w}}" for k, w in keys)
+    lines = [f"{head} {'split':>9} {'measured ms':>12} {'predicted ms':>13} {'rel err':>8} {'max/min':>8}"]
+    for r in result.rows():
+        cells = " ".join(f"{r[k]:>{w}}" for k, w in keys)
+        lines.append(f"{cells} {r['split']:>9} {r['measured_s'] * 1e3:>12.2f} {r['predicted_s'] * 1e3:>13.2f} "
+                     f"{r['rel_error'] * 100:>7.1f}% {r['spread']:>8.2f}")
+    where = "held-out" if result.holdout else "training (no held-out shapes)"
+    lines.append(f"{result.fit}")
+    lines.append(f"{where} relative error: median {result.median_error * 100:.1f} %, "
+                 f"max {result.max_error * 100:.1f} %  [{result.statistic} of "
+                 f"{min(len(v) for v in result.repeats.values())} repeats, backend {result.backend}]")
+    return "\n".join(lines)
 
 
 def _decode_shapes(samples) -> list[tuple[int, int]]:
