@@ -30,8 +30,29 @@ from pdjax.analysis.costmodel_fit import (DecodeCostFit, PrefillCostFit, decode_
                                           fit_decode_cost, fit_prefill_cost, relative_errors)
 
 
+class _Errors:
+    """Prediction errors of a calibration result (``fit``, ``samples``, ``holdout``)."""
+
+    @property
+    def holdout_errors(self) -> np.ndarray:
+        """Relative prediction errors on the held-out shapes (empty if none)."""
+        return relative_errors(self.fit, self.holdout) if self.holdout else np.zeros(0)
+
+    def _errors(self) -> np.ndarray:
+        return self.holdout_errors if self.holdout else relative_errors(self.fit, self.samples)
+
+    @property
+    def median_error(self) -> float:
+        """Median relative error on the held-out shapes (on the training shapes if none)."""
+        return float(np.median(self._errors()))
+
+    @property
+    def max_error(self) -> float:
+        return float(np.max(self._errors()))
+
+
 @dataclasses.dataclass(frozen=True)
-class CalibrationResult:
+class CalibrationResult(_Errors):
     """Measured prefill times, the fit to the training shapes and its held-out error.
 
     ``samples`` / ``holdout``: (q, c, seconds), seconds the ``statistic`` ("median" or
@@ -44,23 +65,6 @@ class CalibrationResult:
     repeats: dict
     backend: str
     statistic: str = "median"
-
-    @property
-    def holdout_errors(self) -> np.ndarray:
-        """Relative prediction errors on the held-out shapes (empty if none)."""
-        return relative_errors(self.fit, self.holdout) if self.holdout else np.zeros(0)
-
-    @property
-    def median_error(self) -> float:
-        """Median relative error on the held-out shapes (on the training shapes if there
-        are none)."""
-        errs = self.holdout_errors if self.holdout else relative_errors(self.fit, self.samples)
-        return float(np.median(errs))
-
-    @property
-    def max_error(self) -> float:
-        errs = self.holdout_errors if self.holdout else relative_errors(self.fit, self.samples)
-        return float(np.max(errs))
 
     def refit(self, *, intercept: Optional[bool] = None,
               statistic: Optional[str] = None) -> "CalibrationResult":
@@ -206,7 +210,7 @@ def calibrate(params, cfg, shapes: Sequence[tuple[int, int]], repeats: int = 5, 
 # ---- decode steps -----------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class DecodeCalibrationResult:
+class DecodeCalibrationResult(_Errors):
     """Measured decode-step times, the fit t(B, K) = d0 + d1 B + d2 K to the training shapes
     and its held-out error.
 
@@ -220,22 +224,6 @@ class DecodeCalibrationResult:
     repeats: dict
     backend: str
     statistic: str = "median"
-
-    @property
-    def holdout_errors(self) -> np.ndarray:
-        return relative_errors(self.fit, self.holdout) if self.holdout else np.zeros(0)
-
-    def _errors(self) -> np.ndarray:
-        return self.holdout_errors if self.holdout else relative_errors(self.fit, self.samples)
-
-    @property
-    def median_error(self) -> float:
-        """Median relative error on the held-out shapes (on the training shapes if none)."""
-        return float(np.median(self._errors()))
-
-    @property
-    def max_error(self) -> float:
-        return float(np.max(self._errors()))
 
     def refit(self, *, statistic: Optional[str] = None) -> "DecodeCalibrationResult":
         """The same measurements summarised by another statistic and refitted."""
