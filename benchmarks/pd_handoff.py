@@ -54,7 +54,6 @@ def main():
     req = Request(0, rng.randint(0, cfg.vocab_size, args.prompt).tolist(), 8)
     res = decode.reserve(req)
     target = decode.target_device(res)
-    rows_holder = {}
 
     def with_handoff():
         """Prefill pushing each layer as it finishes; a watcher thread records when each

@@ -20,7 +20,7 @@ import math
 import os
 
 from pdjax.sim.cost import LinearStepCost
-from pdjax.sim.deployment import AFDisaggregated, Colocated, PDDisaggregated
+from pdjax.sim.deployment import Colocated, PDDisaggregated
 from pdjax.sim.engine import simulate
 from pdjax.sim.metrics import SLO
 from pdjax.sim.prefix_cache import PrefixCache
