@@ -1,7 +1,7 @@
 """Every generator, property-tested over ranks 2..16 and micro-batches 1..64."""
 
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pdjax.pipeline as pp

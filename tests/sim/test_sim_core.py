@@ -1,6 +1,5 @@
 """Simulator results against hand-derived cases, conservation and determinism."""
 
-import math
 
 import pytest
 from hypothesis import given, settings, strategies as st

@@ -1,6 +1,5 @@
 """Searches, the dynamic P:D controller, bucket routing and the experiment runners."""
 
-import math
 import os
 
 import pytest
