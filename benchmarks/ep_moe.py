@@ -5,6 +5,11 @@ Analytic bytes per device and layer (both directions): dispatch sends X*C rows o
 plus X*C int32 expert ids, combine returns X*C rows; of the rows, A = n*k carry tokens
 (n tokens per device, top-k) and X*C - A are capacity padding.
 
+The dropless ragged path (GPU/TPU) is lowered for CUDA from this CPU host (jax.export):
+its two ragged_all_to_all move exactly the A rows each way (2*A*D*4 bytes, no padding), plus
+the dense all_to_all of per-(rank, local expert) counts and block offsets, read from the
+lowered module. Its FLOPs need a GPU to measure.
+
 Run: .venv/bin/python benchmarks/ep_moe.py
 """
 
@@ -22,7 +27,7 @@ import pdjax  # noqa: E402
 from pdjax.model import moe as moe_lib  # noqa: E402
 from pdjax.parallel import ExpertParallel, ep_moe, make_mesh, shard_params  # noqa: E402
 
-DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "pred": 1}
+DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "pred": 1, "i32": 4}  # HLO and MLIR names
 
 
 def all_to_all_bytes(hlo: str) -> int:
@@ -70,10 +75,35 @@ def main():
             verdict = f"FLOPs/ideal at cf=1.25: {ratio:.3f} ({'PASS' if ratio <= 1.5 else 'FAIL'}, target <= 1.5)"
         print(f"{cf:>9}{C:>6}{pad:>9.1%}{got / 1024:>13.1f}{analytic / 1024:>10.1f}{str(got == analytic):>7}"
               f"{ratio:>13.3f}")
+    ragged_row(cfg, mesh, p, x, A, D, X)
     T = moe_lib.tile_rows(X * C, cfg.n_routed_experts // X)
     print(f"\npayload 2*A*D*4 = {2 * A * D * 4 / 1024:.1f} KiB/dev; the rest is padding to capacity and "
           f"the int32 expert ids. FLOPs include the local tiled grouped GEMM over all X*C received rows "
           f"(tile {T} rows at cf=2.0), the gate and the combine.\n{verdict}")
+
+
+def _tensor_bytes(t: str) -> int:
+    *dims, dt = t.split("x")
+    return DTYPE_BYTES[dt] * int(np.prod([int(d) for d in dims]))
+
+
+def ragged_row(cfg, mesh, p, x, A, D, X):
+    """Bytes from the CUDA-lowered module: the dispatch collective's operand (the A sorted rows
+    sent), the combine collective's result (the A rows coming back) and the dense metadata
+    all_to_alls; against 2*A*D*4 + (X*L + 2*X)*4 from the config."""
+    ep = ExpertParallel(mesh, target_platform="cuda")
+    assert ep.dispatch_impl == "ragged"
+    text = jax.export.export(jax.jit(lambda p, x: ep_moe(p, cfg, x, ep)), platforms=["cuda"], disabled_checks=[
+        jax.export.DisabledSafetyCheck.custom_call("ragged_all_to_all")])(p, x).mlir_module()
+    calls = re.findall(r"custom_call @ragged_all_to_all\(.*?: \(tensor<(\w+)>.*?-> tensor<(\w+)>", text)
+    (dispatch_in, buffer), (_, combine_out) = sorted(calls, key=lambda c: -_tensor_bytes(c[1]))
+    meta = sum(_tensor_bytes(t) for t in re.findall(r'"stablehlo\.all_to_all".*?-> tensor<(\w+)>', text))
+    got = _tensor_bytes(dispatch_in) + _tensor_bytes(combine_out) + meta
+    L = cfg.n_routed_experts // X
+    analytic = 2 * A * D * 4 + (X * L + 2 * X) * 4
+    print(f"{'ragged':>9}{'-':>6}{0:>9.1%}{got / 1024:>13.1f}{analytic / 1024:>10.1f}{str(got == analytic):>7}"
+          f"{'(GPU)':>13}   # {len(calls)} ragged_all_to_all + {meta} B counts/offsets; "
+          f"receive buffer {buffer.split('x')[0]} rows (X*A, worst case)")
 
 
 if __name__ == "__main__":

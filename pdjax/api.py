@@ -12,7 +12,7 @@ from pdjax.parallel.ep import ExpertParallel
 from pdjax.parallel.mesh import ShardingRules, batch_sharding, check_batch, shard_params
 
 
-def _on_mesh(params, cfg, mesh, batch: int, capacity_factor, rules, overlap):
+def _on_mesh(params, cfg, mesh, batch: int, capacity_factor, rules, overlap, dispatch="auto"):
     """(params placed on the mesh, EP MoE implementation, batch sharding)."""
     rules = rules or ShardingRules.default(mesh)
     rules.check(mesh)
@@ -21,7 +21,7 @@ def _on_mesh(params, cfg, mesh, batch: int, capacity_factor, rules, overlap):
         raise ValueError(f"overlap must be None or 'dbo', got {overlap!r}")
     kind = DualBatchOverlap if overlap == "dbo" else ExpertParallel
     ep = kind(mesh, batch_axes=rules.axes("batch"), capacity_factor=capacity_factor,
-              expert_axis=(rules.axes("experts") or ("expert",))[0])
+              expert_axis=(rules.axes("experts") or ("expert",))[0], dispatch=dispatch)
     leaf = jax.tree.leaves(params)[0]
     if getattr(getattr(leaf, "sharding", None), "mesh", None) != mesh:
         params = shard_params(params, cfg, mesh, rules)
@@ -35,40 +35,46 @@ def _batch_of(tokens) -> int:
 
 
 def forward(params, cfg: ModelConfig, tokens, *, mesh=None, capacity_factor=None, rules=None,
-            overlap=None, moe_impl=None, return_stats: bool = False):
+            overlap=None, dispatch="auto", moe_impl=None, return_stats: bool = False):
     """Logits [B,T,V]. With ``mesh``: attention data-parallel over the batch axes, MoE layers
     expert-parallel (``capacity_factor=None``: dropless; ``overlap="dbo"``: dual-batch
-    overlap of two micro-batches)."""
+    overlap of two micro-batches; ``dispatch``: "auto" (dropless ragged_all_to_all on GPU/TPU
+    when no capacity factor is set, capacity-padded all_to_all otherwise), "padded",
+    "ragged" or "ragged-emulated", see :class:`pdjax.parallel.ExpertParallel`)."""
     if mesh is None:
         return transformer.forward(params, cfg, tokens, moe_impl=moe_impl, return_stats=return_stats)
-    params, ep, bs = _on_mesh(params, cfg, mesh, _batch_of(tokens), capacity_factor, rules, overlap)
+    params, ep, bs = _on_mesh(params, cfg, mesh, _batch_of(tokens), capacity_factor, rules, overlap,
+                                  dispatch)
     return transformer.forward(params, cfg, tokens, moe_impl=ep, batch_sharding=bs,
                                return_stats=return_stats)
 
 
 def prefill(params, cfg: ModelConfig, tokens, *, mesh=None, capacity_factor=None, rules=None, overlap=None,
-            **kwargs):
+            dispatch="auto", **kwargs):
     """See :func:`pdjax.model.transformer.prefill`; ``mesh`` as in :func:`forward`."""
     if mesh is None:
         return transformer.prefill(params, cfg, tokens, **kwargs)
-    params, ep, bs = _on_mesh(params, cfg, mesh, _batch_of(tokens), capacity_factor, rules, overlap)
+    params, ep, bs = _on_mesh(params, cfg, mesh, _batch_of(tokens), capacity_factor, rules, overlap,
+                                  dispatch)
     return transformer.prefill(params, cfg, tokens, moe_impl=ep, batch_sharding=bs, **kwargs)
 
 
 def decode_step(params, cfg: ModelConfig, next_tokens, cache, *, mesh=None, capacity_factor=None,
-                rules=None, overlap=None, **kwargs):
+                rules=None, overlap=None, dispatch="auto", **kwargs):
     """See :func:`pdjax.model.transformer.decode_step`; ``mesh`` as in :func:`forward`."""
     if mesh is None:
         return transformer.decode_step(params, cfg, next_tokens, cache, **kwargs)
-    params, ep, bs = _on_mesh(params, cfg, mesh, _batch_of(next_tokens), capacity_factor, rules, overlap)
+    params, ep, bs = _on_mesh(params, cfg, mesh, _batch_of(next_tokens), capacity_factor, rules, overlap,
+                                  dispatch)
     return transformer.decode_step(params, cfg, next_tokens, cache, moe_impl=ep, batch_sharding=bs, **kwargs)
 
 
 def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int, mesh=None, capacity_factor=None,
-             rules=None, overlap=None, **kwargs):
+             rules=None, overlap=None, dispatch="auto", **kwargs):
     """Greedy generation; see :func:`pdjax.model.transformer.generate`."""
     if mesh is None:
         return transformer.generate(params, cfg, prompts, max_new_tokens=max_new_tokens, **kwargs)
-    params, ep, bs = _on_mesh(params, cfg, mesh, _batch_of(prompts), capacity_factor, rules, overlap)
+    params, ep, bs = _on_mesh(params, cfg, mesh, _batch_of(prompts), capacity_factor, rules, overlap,
+                                  dispatch)
     return transformer.generate(params, cfg, prompts, max_new_tokens=max_new_tokens, moe_impl=ep,
                                 batch_sharding=bs, **kwargs)

@@ -68,14 +68,14 @@ def run_layers_dbo(params, cfg, x_BTD, q_pos_BT, kv_layers, start_B, absorbed, e
             return t.reshape(-1, t.shape[-1])
 
         h0, n0, kv0 = attend(0)
-        s0 = ep_dispatch(p, cfg, flat(n0), ep)                  # a2a(0) in flight ...
+        s0, drop0 = ep_dispatch(p, cfg, flat(n0), ep)           # a2a(0) in flight ...
         h1, n1, kv1 = attend(1)                                 # ... under attn(1)
-        r0 = ep_compute(p, s0[0], s0[1], ep)
-        s1 = ep_dispatch(p, cfg, flat(n1), ep)                  # a2a(1) under experts(0)
-        y0 = ep_combine(r0, s0[2], s0[3], ep, n0.dtype)
-        r1 = ep_compute(p, s1[0], s1[1], ep)                    # experts(1) under combine(0)
-        y1 = ep_combine(r1, s1[2], s1[3], ep, n1.dtype)
-        moe_lib.record_stat(s0[4] + s1[4])
+        r0 = ep_compute(p, s0, ep)
+        s1, drop1 = ep_dispatch(p, cfg, flat(n1), ep)           # a2a(1) under experts(0)
+        y0 = ep_combine(r0, s0, ep, n0.dtype)
+        r1 = ep_compute(p, s1, ep)                              # experts(1) under combine(0)
+        y1 = ep_combine(r1, s1, ep, n1.dtype)
+        moe_lib.record_stat(drop0 + drop1)
         out = []
         for h, n, y in ((h0, n0, y0), (h1, n1, y1)):
             y = y.reshape(h.shape)

@@ -29,13 +29,24 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from pdjax.config import ModelConfig
 from pdjax.model import moe as moe_lib
+from pdjax.parallel import ep_ragged
+
+DISPATCH_IMPLS = ("auto", "padded", "ragged", "ragged-emulated")
+
 
 @dataclasses.dataclass(frozen=True)
 class ExpertParallel:
     """How MoE layers run on a mesh; a static (hashable) argument of the jitted model.
 
     expert_axis: mesh axis the experts are split over; batch_axes: mesh axes the tokens
-    are split over (default: all axes, DP attention); capacity_factor: None = dropless.
+    are split over (default: all axes, DP attention); capacity_factor: None = dropless;
+    impl: local expert back end of the padded path (see :mod:`pdjax.model.moe`);
+    dispatch: "auto" (the dropless ragged_all_to_all + ragged_dot path of
+    :mod:`pdjax.parallel.ep_ragged` on GPU/TPU when capacity_factor is None, else the
+    capacity-padded all_to_all), "padded", "ragged", or "ragged-emulated" (the ragged path
+    with an all_gather twin of the collective, for backends without it, e.g. XLA:CPU);
+    target_platform: the backend the computation is lowered for, when not the mesh devices'
+    (e.g. "cuda" to ``jax.export`` for a GPU from a CPU host).
     """
 
     mesh: Mesh
@@ -43,6 +54,8 @@ class ExpertParallel:
     batch_axes: tuple[str, ...] | None = None
     capacity_factor: float | None = None
     impl: str = "tiled"
+    dispatch: str = "auto"
+    target_platform: str | None = None
 
     @property
     def may_drop(self) -> bool:
@@ -59,6 +72,28 @@ class ExpertParallel:
                 raise ValueError(f"batch axis {a!r} is not a mesh axis {names}")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(f"capacity_factor must be > 0 or None, got {self.capacity_factor}")
+        if self.dispatch not in DISPATCH_IMPLS:
+            raise ValueError(f"unknown dispatch {self.dispatch!r}; use one of {DISPATCH_IMPLS}")
+        if self.dispatch.startswith("ragged") and self.capacity_factor is not None:
+            raise ValueError(f"dispatch={self.dispatch!r} is dropless; capacity_factor must be None, "
+                             f"got {self.capacity_factor}")
+        if self.dispatch == "ragged" and self.platform not in ep_ragged.RAGGED_PLATFORMS:
+            raise ValueError(f"dispatch='ragged' needs ragged_all_to_all, which XLA:{self.platform.upper()} "
+                             f"does not implement; use 'padded' (or 'ragged-emulated' to validate)")
+
+    @property
+    def platform(self) -> str:
+        return self.target_platform or self.mesh.devices.flat[0].platform
+
+    @property
+    def dispatch_impl(self) -> str:
+        """The dispatch that runs: "auto" is the dropless ragged path on GPU/TPU meshes when no
+        capacity factor is set, the capacity-padded all_to_all otherwise."""
+        if self.dispatch != "auto":
+            return self.dispatch
+        if self.capacity_factor is None and self.platform in ep_ragged.RAGGED_PLATFORMS:
+            return "ragged"
+        return "padded"
 
     @property
     def ep_size(self) -> int:
@@ -125,14 +160,15 @@ def _specs(ep: ExpertParallel):
 
 
 def ep_dispatch(p, cfg: ModelConfig, x_ND, ep: ExpertParallel):
-    """Stage 1: route locally and all-to-all each assignment to its expert's rank.
+    """Stage 1: route locally and send each assignment to its expert's rank.
 
-    Returns the in-flight state, every array split over all devices (leading axis):
-    rows [X*C per device, D] received, their local expert ids (-1 = empty), and for the
-    combine: the send slot of each assignment and its kept routing weight; plus the dropped
-    count (summed over the mesh)."""
+    Returns (state, dropped): the in-flight state (arrays split over all devices, opaque to
+    callers: pass it to :func:`ep_compute` and :func:`ep_combine`) and the dropped count
+    (summed over the mesh; always 0 when dropless)."""
     pl, batch = _plan(p, cfg, x_ND.shape[0], ep), _specs(ep)
     route = {key: p[key] for key in ("router", "router_bias", "log2phy", "logcnt") if key in p}
+    if ep.dispatch_impl != "padded":
+        return ep_ragged.dispatch(p, cfg, x_ND, ep, pl, batch, route, _physical_ids)
     X, C, A, axis = pl.X, pl.C, pl.A, ep.expert_axis
 
     def local(x, route):
@@ -153,16 +189,19 @@ def ep_dispatch(p, cfg: ModelConfig, x_ND, ep: ExpertParallel):
         recv_x = jax.lax.all_to_all(send_x.reshape(X, C, D), axis, 0, 0).reshape(X * C, D)
         recv_e = jax.lax.all_to_all(send_e.reshape(X, C), axis, 0, 0).reshape(X * C)
         dropped = jax.lax.psum(A - keep.sum(dtype=jnp.int32), tuple(ep.mesh.axis_names))
-        return recv_x, recv_e, slot, weights * keep.reshape(pl.n, pl.k), dropped
+        return (recv_x, recv_e, slot, weights * keep.reshape(pl.n, pl.k)), dropped
 
     return jax.shard_map(local, mesh=ep.mesh, in_specs=(batch, jax.tree.map(lambda _: P(), route)),
-                         out_specs=(batch, batch, batch, batch, P()), check_vma=False)(x_ND, route)
+                         out_specs=((batch,) * 4, P()), check_vma=False)(x_ND, route)
 
 
-def ep_compute(p, recv_x, recv_e, ep: ExpertParallel):
+def ep_compute(p, state, ep: ExpertParallel):
     """Stage 2: each rank runs its local experts over the rows it received (no communication)."""
-    experts = {key: p[key] for key in ("w_gate", "w_up", "w_down")}
     batch = _specs(ep)
+    if ep.dispatch_impl != "padded":
+        return ep_ragged.compute(p, state, ep, batch)
+    experts = {key: p[key] for key in ("w_gate", "w_up", "w_down")}
+    recv_x, recv_e = state[:2]
 
     def local(experts, rows, ids):
         valid = ids >= 0
@@ -173,9 +212,12 @@ def ep_compute(p, recv_x, recv_e, ep: ExpertParallel):
                          out_specs=batch, check_vma=False)(experts, recv_x, recv_e)
 
 
-def ep_combine(y_rows, slot, weights, ep: ExpertParallel, dtype):
-    """Stage 3: all-to-all the results back and sum each token's k results by weight."""
+def ep_combine(y_rows, state, ep: ExpertParallel, dtype):
+    """Stage 3: send the results back and sum each token's k results by weight."""
     batch, X, axis = _specs(ep), ep.ep_size, ep.expert_axis
+    if ep.dispatch_impl != "padded":
+        return ep_ragged.combine(y_rows, state, ep, batch, dtype)
+    slot, weights = state[2:]
 
     def local(rows, slot, w):
         n, k = w.shape
@@ -191,9 +233,9 @@ def ep_combine(y_rows, slot, weights, ep: ExpertParallel, dtype):
 def ep_moe(p, cfg: ModelConfig, x_ND, ep: ExpertParallel):
     """Routed experts, expert-parallel: dispatch, compute, combine.
     Returns (y [N,D], dropped assignments over the mesh, int32)."""
-    recv_x, recv_e, slot, weights, dropped = ep_dispatch(p, cfg, x_ND, ep)
-    y_rows = ep_compute(p, recv_x, recv_e, ep)
-    return ep_combine(y_rows, slot, weights, ep, x_ND.dtype), dropped
+    state, dropped = ep_dispatch(p, cfg, x_ND, ep)
+    y_rows = ep_compute(p, state, ep)
+    return ep_combine(y_rows, state, ep, x_ND.dtype), dropped
 
 
 def place_experts(params, phy2log) -> dict:
