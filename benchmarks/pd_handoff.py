@@ -97,7 +97,7 @@ def main():
     print(f"transfer alone          {1e3 * t_xfer:9.2f} ms  -> link throughput {nbytes / t_xfer / 1e9:.2f} GB/s")
     print(f"prefill (with handoff)  {1e3 * t_done:9.2f} ms; layer copies landed at (ms): "
           + ", ".join(f"{1e3 * t:.0f}" for t in landed))
-    print(f"hidden share (layers whose copy landed before the prefill finished): "
+    print("hidden share (layers whose copy landed before the prefill finished): "
           + ", ".join(f"{100 * h:.0f} %" for h in hidden) + " over 3 runs")
     print("(the last layer's copy can only start when the prefill's last layer is done)\n")
     decode.cancel(res)

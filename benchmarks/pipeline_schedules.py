@@ -65,7 +65,7 @@ def measure(name: str, ranks: int, microbatches: int, repeats: int = 3) -> dict:
         with _GcTimer() as gct:
             s, t_build = _timed(lambda: pp.build(name, ranks, microbatches))
             _, t_val = _timed(s.validate)
-            t, t_sim = _timed(lambda: pp.simulate(s, F=1.0, B=2.0, W=1.0, FB=2.5, check=False))
+            t, t_sim = _timed(lambda s=s: pp.simulate(s, F=1.0, B=2.0, W=1.0, FB=2.5, check=False))
         row = {"schedule": name, "ranks": ranks, "microbatches": microbatches, "ops": s.num_ops,
                "build": t_build, "validate": t_val, "simulate": t_sim, "gc": gct.seconds,
                "total": t_build + t_val + t_sim, "bubble_ratio": t.bubble_ratio}

@@ -51,9 +51,7 @@ import transformers
 from safetensors import safe_open
 from transformers import (
     AutoModelForCausalLM,
-    DeepseekV2Config,
     DeepseekV2ForCausalLM,
-    DeepseekV3Config,
     DeepseekV3ForCausalLM,
 )
 
