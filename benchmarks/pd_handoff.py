@@ -62,7 +62,7 @@ def main():
         watchers = []
         t0 = time.perf_counter()
 
-        def push(l, rows):
+        def push(l, rows, start):
             moved = jax.device_put(rows, target)
 
             def watch():
@@ -77,7 +77,7 @@ def main():
             th.join()
         return t_done, landed
 
-    _, rows = prefill.run(req, lambda l, r: None)          # compile; keep the rows
+    _, rows = prefill.run(req, lambda l, r, s: None)          # compile; keep the rows
     jax.block_until_ready(rows)
     with_handoff()
 
@@ -111,7 +111,7 @@ def main():
         while admitted < n:
             r = short[admitted]
             rv = decode.reserve(r)
-            tok, layer_rows = prefill.run(r, lambda l, x: None)
+            tok, layer_rows = prefill.run(r, lambda l, x, s: None)
             for l, x in enumerate(layer_rows):
                 decode.receive_layer(rv, l, jax.device_put(x, decode.target_device(rv)))
             decode.admit(rv, tok)

@@ -33,7 +33,13 @@ class Reservation:
     request: Request
     rank: int
     blocks: list
-    layers_received: int = 0
+    rows_received: list = dataclasses.field(default_factory=list)   # per layer
+
+    @property
+    def complete(self) -> bool:
+        """Every layer holds the whole prompt's rows."""
+        T = len(self.request.prompt)
+        return len(self.rows_received) > 0 and all(n == T for n in self.rows_received)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "moe_impl"), donate_argnames=("cache",))
@@ -109,12 +115,15 @@ class DecodePool:
     def target_device(self, res: Reservation):
         return self.rank_devices[res.rank]
 
-    def receive_layer(self, res: Reservation, layer: int, rows_TL) -> None:
-        """Write one layer's latent rows [T, C+R] (already on the owning rank's device) into the
-        request's reserved blocks: a local write into that rank's shard of the pool; the
-        other ranks' shards are untouched (no data moves)."""
+    def receive_layer(self, res: Reservation, layer: int, rows_TL, start: int = 0) -> None:
+        """Write one layer's latent rows [T, C+R] for prompt positions start..start+T-1 (already
+        on the owning rank's device) into the request's reserved blocks: a local write into
+        that rank's shard of the pool; the other ranks' shards are untouched (no data moves)."""
         T = rows_TL.shape[0]
-        pos = np.arange(T)
+        if start < 0 or start + T > len(res.request.prompt):
+            raise ValueError(f"request {res.request.index}: rows {start}..{start + T - 1} outside its "
+                             f"{len(res.request.prompt)}-token prompt")
+        pos = start + np.arange(T)
         dev = self.rank_devices[res.rank]
         blocks = jax.device_put(np.asarray(res.blocks, np.int32)[pos // self.block_size], dev)
         offsets = jax.device_put((pos % self.block_size).astype(np.int32), dev)
@@ -126,7 +135,9 @@ class DecodePool:
         pools = list(self.cache.pools)
         pools[layer] = pool
         self.cache = dataclasses.replace(self.cache, pools=tuple(pools))
-        res.layers_received += 1
+        if not res.rows_received:
+            res.rows_received = [0] * self.cfg.num_hidden_layers
+        res.rows_received[layer] += T
 
     def cancel(self, res: Reservation) -> None:
         with self.lock:
@@ -137,8 +148,9 @@ class DecodePool:
 
     def admit(self, res: Reservation, first_token: int) -> int:
         """Join the running batch (all layers arrived). Returns the slot."""
-        if res.layers_received != self.cfg.num_hidden_layers:
-            raise RuntimeError(f"request {res.request.index}: admitted with {res.layers_received} layers")
+        if not res.complete:
+            raise RuntimeError(f"request {res.request.index}: admitted with {res.rows_received} rows per layer "
+                               f"of a {len(res.request.prompt)}-token prompt")
         per = self.slots // self.ranks
         slot = next(s for s in range(res.rank * per, (res.rank + 1) * per) if self.slot_req[s] is None)
         row = np.zeros(self.blocks_per_slot, np.int32)

@@ -93,14 +93,14 @@ class PDEngine:
             req.prefill_attempts += 1
             target = self.decode.target_device(res)
 
-            def push(l, rows, h=h):
+            def push(l, rows, start, h=h):
                 hook = self.fault_hooks.get("handoff")
                 if hook is not None:
                     hook(req, l)
                 moved = jax.device_put(rows, target)          # asynchronous copy
                 if not self.colocated:
                     h.bytes += rows.size * rows.dtype.itemsize
-                inbox.put(("layer", h, l, moved))
+                inbox.put(("layer", h, l, moved, start))
             try:
                 prefix = self._cached_prefix(req)
                 with self._pool_lock:
@@ -202,7 +202,7 @@ class PDEngine:
                 kind, h = msg[0], msg[1]
                 req = h.res.request
                 if kind == "layer":
-                    self.decode.receive_layer(h.res, msg[2], msg[3])
+                    self.decode.receive_layer(h.res, msg[2], msg[3], msg[4])
                 elif kind == "failed":
                     self.decode.cancel(h.res)
                     if req.prefill_attempts >= self.max_prefill_attempts:

@@ -11,6 +11,7 @@ call is asynchronous, so the copy of layer l proceeds while layer l+1 computes.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -31,12 +32,18 @@ def _layer(lp, cfg, x, q_pos, moe_impl):
     return layer(lp, cfg, x, q_pos, moe_impl=moe_impl)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "chunk", "moe_impl"))
-def _layer_cached(lp, cfg, x, q_pos, prefix_rows, start, chunk, moe_impl):
-    """A layer over a chunk that continues a cached prefix [P, C+R]: the prefix rows and the
-    chunk's new rows form the layer cache [1, P + chunk, C+R]."""
-    kv = jnp.pad(prefix_rows, ((0, chunk), (0, 0)))[None]
+@functools.partial(jax.jit, static_argnames=("cfg", "moe_impl"))
+def _layer_cached(lp, cfg, x, q_pos, kv, start, moe_impl):
+    """A layer over a chunk that continues the request's cache kv [1, S, C+R] (rows before
+    ``start`` filled): the chunk's rows are written at ``start`` and it attends causally."""
     return layer(lp, cfg, x, q_pos, kv, start, moe_impl=moe_impl)
+
+
+@functools.partial(jax.jit, static_argnames=("size",))
+def _cache_buffer(prefix_rows, size):
+    """[1, size, C+R] zeros with the cached prefix rows at the front."""
+    buf = jnp.zeros((1, size, prefix_rows.shape[1]), prefix_rows.dtype)
+    return jax.lax.dynamic_update_slice(buf, prefix_rows[None], (0, 0, 0))
 
 
 @jax.jit
@@ -56,6 +63,20 @@ def bucket(n: int, multiple: int, minimum: int = 16) -> int:
     return -(-b // multiple) * multiple
 
 
+def chunk_plan(total: int, start: int, chunk) -> list[tuple[int, int]]:
+    """[(position, tokens)] covering prompt positions start..total-1. ``chunk``: None (one
+    chunk), an int (at most that many tokens per chunk) or a callable ``chunk(position) ->
+    tokens`` (e.g. the largest chunk that fits a time budget under a fitted cost, given the
+    tokens already in the cache); each chunk has at least one token."""
+    plan, pos = [], start
+    while pos < total:
+        q = total - pos if chunk is None else int(chunk if isinstance(chunk, int) else chunk(pos))
+        q = min(max(q, 1), total - pos)
+        plan.append((pos, q))
+        pos += q
+    return plan
+
+
 class PrefillPool:
     def __init__(self, params, cfg: ModelConfig, devices, mesh_axes: dict):
         self.cfg = cfg
@@ -65,39 +86,78 @@ class PrefillPool:
         self.params = shard_params(params, cfg, self.mesh)
         self.replicated = NamedSharding(self.mesh, P())
 
-    def run(self, req, push, prefix=None, timeline=None):
-        """Prefill ``req``; call ``push(layer, rows)`` with each layer's latent rows [T, C+R]
-        (the whole prompt) right after that layer is dispatched. Returns (first generated
-        token, the pushed rows per layer).
+    def _put(self, a):
+        return jax.device_put(a, self.replicated)
+
+    def run(self, req, push, prefix=None, timeline=None, chunk=None, step_lock=None):
+        """Prefill ``req``; call ``push(layer, rows, start)`` with each layer's latent rows
+        [q, C+R] for prompt positions start..start+q-1 right after that layer is dispatched
+        (the first chunk's rows include a cached prefix's: the decode side needs them all).
+        Returns (first generated token, per layer the rows of the whole prompt [T, C+R]).
 
         ``prefix``: (P, iterator of (layer, rows [P, C+R]) on this pool's devices) for a
         cached prefix of P tokens: only the remaining T - P tokens are computed, each layer
         attending to its prefix rows, which the iterator delivers layer by layer.
+        ``chunk``: see :func:`chunk_plan`; the chunks run one after another, each through all
+        layers, attending to the rows of the earlier ones (``req.prefill_chunks`` records the
+        sizes). ``step_lock``: a context manager held around each chunk (a colocated pool
+        lets decode steps run between chunks).
         ``timeline``: a :class:`pdjax.disagg.timeline.Timeline` to record each layer's compute."""
         T = len(req.prompt)
         P, loaded = prefix if prefix else (0, None)
-        n = T - P
-        Tb = bucket(n, self.size)
+        plan = chunk_plan(T, P, chunk)
+        req.prefill_chunks = [q for _, q in plan]
+        step_lock = step_lock or contextlib.nullcontext()
+        layers = self.params["layers"]
+        if loaded is None and len(plan) == 1:            # the whole prompt, no cache: one pass
+            with step_lock:
+                x, rows = self._fresh(req.prompt, push, timeline)
+            return self._first_token(req, x, T - 1), rows
+        size = max(pos + bucket(q, self.size) for pos, q in plan)
+        size = bucket(size, self.size)
+        kvs = [None] * len(layers)
+        for pos, q in plan:
+            Tb = bucket(q, self.size)
+            tokens = np.zeros((1, Tb), np.int32)
+            tokens[0, :q] = req.prompt[pos:pos + q]
+            q_pos = self._put((pos + np.arange(Tb, dtype=np.int32))[None])
+            start = self._put(np.array([pos], np.int32))
+            with step_lock:
+                x = _embed(self.params, self._put(tokens))
+                for l, lp in enumerate(layers):
+                    if kvs[l] is None:
+                        if loaded is not None:
+                            layer_idx, prefix_rows = next(loaded)
+                            assert layer_idx == l, (layer_idx, l)
+                            kvs[l] = _cache_buffer(prefix_rows, size)
+                        else:
+                            kvs[l] = jnp.zeros((1, size, self.cfg.kv_latent_dim), self.params["embed"].dtype,
+                                               device=self.replicated)
+                    x, kvs[l] = _layer_cached(lp, self.cfg, x, q_pos, kvs[l], start, self.ep)
+                    if timeline is not None:
+                        timeline.record("prefill compute", f"layer {l}", x)
+                    lo = 0 if pos == P else pos           # the first chunk also sends the cached prefix
+                    push(l, kvs[l][0, lo:pos + q], lo)
+        return self._first_token(req, x, plan[-1][1] - 1), [kv[0, :T] for kv in kvs]
+
+    def _fresh(self, prompt, push, timeline):
+        T = len(prompt)
+        Tb = bucket(T, self.size)
         tokens = np.zeros((1, Tb), np.int32)
-        tokens[0, :n] = req.prompt[P:]
-        tokens = jax.device_put(tokens, self.replicated)
-        q_pos = jax.device_put((P + np.arange(Tb, dtype=np.int32))[None], self.replicated)
-        start = jax.device_put(np.array([P], np.int32), self.replicated)
-        x = _embed(self.params, tokens)
+        tokens[0, :T] = prompt
+        q_pos = self._put(np.arange(Tb, dtype=np.int32)[None])
+        x = _embed(self.params, self._put(tokens))
         rows = []
         for l, lp in enumerate(self.params["layers"]):
-            if loaded is None:
-                x, kv = _layer(lp, self.cfg, x, q_pos, self.ep)
-                rows.append(kv[0, :T])
-            else:
-                layer_idx, prefix_rows = next(loaded)
-                assert layer_idx == l, (layer_idx, l)
-                x, kv = _layer_cached(lp, self.cfg, x, q_pos, prefix_rows, start, Tb, self.ep)
-                rows.append(kv[0, :T])
+            x, kv = _layer(lp, self.cfg, x, q_pos, self.ep)
+            rows.append(kv[0, :T])
             if timeline is not None:
                 timeline.record("prefill compute", f"layer {l}", x)
-            push(l, rows[-1])
+            push(l, rows[-1], 0)
+        return x, rows
+
+    def _first_token(self, req, x, last):
         s = req.sampling
-        tok = _first_token(self.params, self.cfg, x, n - 1, jnp.float32([s.temperature]),
+        tok = _first_token(self.params, self.cfg, x, last, jnp.float32([s.temperature]),
                            jnp.float32([s.top_p]), jnp.int32([s.seed]))
-        return int(np.asarray(tok)[0]), rows
+        return int(np.asarray(tok)[0])

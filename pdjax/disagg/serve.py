@@ -123,8 +123,8 @@ class PrefillServer:
         i = msg["request"]
         req = Request(i, list(msg["prompt"]), 1, SamplingParams(**msg["sampling"]))
 
-        def push(layer, rows):
-            ctl.send({"op": "layer", "request": i, "layer": layer, **self.sender.offer(rows)})
+        def push(layer, rows, start):
+            ctl.send({"op": "layer", "request": i, "layer": layer, "start": start, **self.sender.offer(rows)})
         try:
             tok, _ = self.pool.run(req, push)
             ctl.send({"op": "ready", "request": i, "first_token": tok})
@@ -239,7 +239,7 @@ class DecodeServer:
                     res = self.handoffs.get(msg["request"])
                     if res is None:                    # a stale attempt's layer
                         continue
-                    pool.receive_layer(res, msg["layer"], msg["rows"])
+                    pool.receive_layer(res, msg["layer"], msg["rows"], msg.get("start", 0))
                     res.request.kv_bytes_sent += msg["nbytes"]
                 elif op == "ready":
                     res = self.handoffs.pop(msg["request"], None)

@@ -161,7 +161,7 @@ def test_layer_transfer_overlaps_next_layer_compute(tiny_cfg, pd, prompts, tmp_p
     tl = Timeline()
     target = pd.decode.target_device(res)
     try:
-        pd.prefill.run(req, lambda l, rows: tl.record("kv transfer", f"layer {l}", jax.device_put(rows, target)),
+        pd.prefill.run(req, lambda l, rows, start: tl.record("kv transfer", f"layer {l}", jax.device_put(rows, target)),
                        timeline=tl)
     finally:
         pd.decode.cancel(res)
