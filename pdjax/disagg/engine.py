@@ -7,18 +7,31 @@ blocks (back-pressure when it is full), prefills layer by layer and pushes each 
 latent rows to the decode rank that owns the blocks; the decode loop (the calling thread)
 writes arriving layers into the blocks, admits a request to the running batch once all its
 layers are in, and steps the batch (continuous batching: requests join and leave between
-steps). A failed handoff is retried by prefilling the request again.
+steps). A failed handoff is retried by prefilling the request again; so is one that makes no
+progress for ``handoff_timeout_s`` (its late layers are ignored).
+
+Several prefill workers (``prefill_workers``: the prefill devices split into equal meshes)
+share one prefix cache; a dispatcher gives each arriving request to the worker predicted to
+finish it first under the prefill cost model (``prefill_cost``, a callable cost(q, c) in
+seconds such as a fitted :class:`~pdjax.analysis.costmodel_fit.PrefillCostFit`; measured on
+this engine's own prefill pool by :meth:`PDEngine.calibrate_prefill` when not given).
+Chunked prefill: with ``prefill_budget_s`` each chunk is the largest that fits the budget
+under the cost model given the tokens already cached (``prefill_chunk_tokens`` caps it, or
+alone fixes it).
 
 ``ColocatedEngine``: the same scheduler with both pools on the same devices (no link); as in
-a single-pool engine, a step is either a whole prefill or a decode step, so a long prefill
-stalls the running decodes.
+a single-pool engine, a step is either a prefill chunk or a decode step (a FIFO lock lets a
+waiting decode step in between chunks), so an unchunked long prefill stalls the running
+decodes.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import queue
 import threading
+import time
 
 import jax
 import numpy as np
@@ -26,17 +39,72 @@ import numpy as np
 from pdjax.config import ModelConfig
 from pdjax.model.transformer import param_dtype
 from pdjax.disagg.decode import DecodePool, Reservation
-from pdjax.disagg.prefill import PrefillPool
+from pdjax.disagg.prefill import PrefillPool, chunk_plan
 from pdjax.disagg.prefix_store import CorruptBlockError, MissingBlockError, PrefixStore
 from pdjax.disagg.request import Clock, Request, RequestError, SamplingParams, validate_request
 
 
 class _Handoff:
-    """Bookkeeping of one request's transfer, shared by the two threads."""
+    """Bookkeeping of one prefill attempt's transfer, shared by the threads."""
 
     def __init__(self, res: Reservation, t_reserved: float):
         self.res, self.t_reserved = res, t_reserved
+        self.t_progress = t_reserved          # last layer that arrived (decode side)
         self.bytes = 0
+        self.abandoned = False                # timed out: its late messages are ignored
+
+
+class _FifoLock:
+    """A lock granted in request order: a prefill that releases it between chunks lets a
+    decode step that is already waiting run before its next chunk."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._waiting: collections.deque = collections.deque()
+        self._held = False
+
+    def __enter__(self):
+        me = object()
+        with self._cond:
+            self._waiting.append(me)
+            while self._held or self._waiting[0] is not me:
+                self._cond.wait()
+            self._waiting.popleft()
+            self._held = True
+
+    def __exit__(self, *exc):
+        with self._cond:
+            self._held = False
+            self._cond.notify_all()
+
+
+def largest_chunk(cost, c: int, budget_s: float, q_max: int) -> int:
+    """The largest q <= q_max with cost(q, c) <= budget_s, at least 1 (a chunk must make
+    progress). Uses ``cost.max_chunk`` when the model has it, else bisection (cost is
+    non-decreasing in q)."""
+    if hasattr(cost, "max_chunk"):
+        return max(1, cost.max_chunk(c, budget_s, q_max=q_max))
+    lo, hi = 0, q_max
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if cost(mid, c) <= budget_s:
+            lo = mid
+        else:
+            hi = mid - 1
+    return max(1, lo)
+
+
+def measure_link_bandwidth(src, dst, nbytes: int = 8 << 20, repeats: int = 3) -> float:
+    """Bytes per second of a device_put from device ``src`` to device ``dst`` (best of
+    ``repeats``, after a warm-up copy)."""
+    x = jax.device_put(np.zeros(nbytes // 4, np.float32), src)
+    jax.device_put(x, dst).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.device_put(x, dst).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
 
 
 class PDEngine:
@@ -46,20 +114,44 @@ class PDEngine:
     def __init__(self, params, cfg: ModelConfig, *, prefill_devices, decode_devices,
                  prefill_mesh=None, decode_mesh=None, block_size: int = 16, max_decode_slots: int = 8,
                  max_context: int | None = None, num_blocks: int | None = None, prefix_cache: bool = False,
-                 max_prefill_attempts: int = 3, colocated: bool = False):
+                 max_prefill_attempts: int = 3, colocated: bool = False, prefill_workers: int = 1,
+                 prefill_cost=None, prefill_budget_s: float | None = None,
+                 prefill_chunk_tokens: int | None = None, handoff_timeout_s: float | None = None,
+                 link_bandwidth_Bps: float | None = None):
         prefill_devices, decode_devices = list(prefill_devices), list(decode_devices)
         if not colocated and {d.id for d in prefill_devices} & {d.id for d in decode_devices}:
             raise ValueError("prefill_devices and decode_devices must be disjoint (use ColocatedEngine to share)")
+        if not isinstance(prefill_workers, int) or prefill_workers < 1 or len(prefill_devices) % prefill_workers:
+            raise ValueError(f"prefill_workers={prefill_workers!r} must be a positive integer dividing the "
+                             f"{len(prefill_devices)} prefill devices")
+        if colocated and prefill_workers != 1:
+            raise ValueError("a colocated engine has one pool: prefill_workers must be 1")
+        for name, v in (("prefill_budget_s", prefill_budget_s), ("handoff_timeout_s", handoff_timeout_s),
+                        ("link_bandwidth_Bps", link_bandwidth_Bps)):
+            if v is not None and not v > 0:
+                raise ValueError(f"{name} must be > 0 or None, got {v!r}")
+        if prefill_chunk_tokens is not None and (not isinstance(prefill_chunk_tokens, int) or prefill_chunk_tokens < 1):
+            raise ValueError(f"prefill_chunk_tokens must be a positive integer or None, got {prefill_chunk_tokens!r}")
+        if prefill_cost is not None and not callable(prefill_cost):
+            raise ValueError("prefill_cost must be a callable cost(q, c) -> seconds (e.g. a PrefillCostFit)")
         self.cfg = cfg
         self.max_context = max_context or cfg.max_position_embeddings
         self.colocated = colocated
-        self.prefill = PrefillPool(params, cfg, prefill_devices, prefill_mesh or {"expert": len(prefill_devices)})
+        per = len(prefill_devices) // prefill_workers
+        self.prefills = [PrefillPool(params, cfg, prefill_devices[w * per:(w + 1) * per], prefill_mesh or {"expert": per})
+                         for w in range(prefill_workers)]
+        self.prefill = self.prefills[0]
         self.decode = DecodePool(params, cfg, decode_devices, decode_mesh or {"expert": len(decode_devices)},
                                  slots=max_decode_slots, block_size=block_size, max_context=self.max_context,
                                  num_blocks=num_blocks)
         self.max_prefill_attempts = max_prefill_attempts
-        # one pool: a step is either a prefill or a decode step, never both at once
-        self._pool_lock = threading.Lock() if colocated else contextlib.nullcontext()
+        self.prefill_cost, self.prefill_budget_s = prefill_cost, prefill_budget_s
+        self.prefill_chunk_tokens, self.handoff_timeout_s = prefill_chunk_tokens, handoff_timeout_s
+        if link_bandwidth_Bps is None and not colocated:
+            link_bandwidth_Bps = measure_link_bandwidth(prefill_devices[0], decode_devices[0])
+        self.link_bandwidth_Bps = link_bandwidth_Bps
+        # one pool: a step is either a prefill chunk or a decode step, never both at once
+        self._pool_lock = _FifoLock() if colocated else contextlib.nullcontext()
         self.store = None
         if prefix_cache:
             opts = {"device_blocks": 0, "host_blocks": 256, **(prefix_cache if isinstance(prefix_cache, dict) else {})}
@@ -69,29 +161,100 @@ class PDEngine:
         self.stats: dict = {}
 
     # ---- prefill side --------------------------------------------------------------------
-    def _prefill_loop(self, todo, inbox, clock, stop):
+    def _cost_model(self):
+        if self.prefill_cost is None:
+            self.calibrate_prefill()
+        return self.prefill_cost
+
+    def _chunker(self):
+        """What PrefillPool.run takes as ``chunk``: None, a fixed size, or chunk(position)."""
+        if self.prefill_budget_s is None:
+            return self.prefill_chunk_tokens
+        cost, budget = self._cost_model(), self.prefill_budget_s
+        cap = self.prefill_chunk_tokens or self.max_context
+        return lambda pos: largest_chunk(cost, pos, budget, cap)
+
+    def predicted_prefill_s(self, prompt_tokens: int, cached_tokens: int = 0) -> float:
+        """Predicted seconds to prefill a prompt (chunk by chunk when chunking is on)."""
+        cost = self._cost_model()
+        plan = chunk_plan(prompt_tokens, cached_tokens, self._chunker())
+        return float(sum(cost(q, c) for c, q in plan))
+
+    def calibrate_prefill(self, shapes=None, repeats: int = 3, intercept: bool = True):
+        """Measure this engine's first prefill pool on (q new tokens, c cached) shapes, through
+        the same code path and chunking it serves with, and fit cost(q, c) =
+        a q^2 + b q c + g q (+ d) (median of ``repeats`` after a warm-up). Sets and returns
+        ``self.prefill_cost``."""
+        from pdjax.analysis.costmodel_fit import fit_prefill_cost
+        from pdjax.disagg.request import Request
+        if shapes is None:
+            top = min(256, self.max_context // 2)
+            shapes = sorted({(q, c) for q in (16, 64, top) for c in (0, 64, top) if q + c <= self.max_context})
+        rng = np.random.default_rng(0)
+        samples = []
+        for q, c in shapes:
+            prompt = rng.integers(0, self.cfg.vocab_size, q + c).tolist()
+            times = []
+            for _ in range(repeats + 1):
+                spent: list = []
+                self.prefill.run(Request(0, prompt, 1), lambda *a: None,
+                                 chunk=(lambda pos, c=c, q=q: c if pos == 0 and c else q), chunk_times=spent)
+                times.append(spent[-1])
+            samples.append((q, c, float(np.median(times[1:]))))
+        self.prefill_cost = fit_prefill_cost(samples, intercept=intercept)
+        self.calibration_samples = samples
+        return self.prefill_cost
+
+    def _dispatch_loop(self, todo, worker_queues, clock, stop, inbox):
+        """Release each request at its arrival and give it to the worker predicted to finish it
+        first: predicted free time of each worker + the request's predicted cost."""
         try:
-            self._prefill_requests(todo, inbox, clock, stop)
+            free_at = [0.0] * len(worker_queues)
+            while not stop.is_set():
+                try:
+                    req = todo.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                while clock.now() < req.arrival and not stop.is_set():   # not arrived yet
+                    stop.wait(min(0.01, req.arrival - clock.now()))
+                w, cost = 0, None
+                if len(worker_queues) > 1:
+                    hit = self.store.lookup(req.prompt) if self.store is not None else 0
+                    cost = self.predicted_prefill_s(len(req.prompt), hit)
+                    now = clock.now()
+                    w = min(range(len(free_at)), key=lambda i: (max(free_at[i], now) + cost, i))
+                    free_at[w] = max(free_at[w], now) + cost
+                req.prefill_worker, req.predicted_prefill_s = w, cost
+                worker_queues[w].put(req)
         except BaseException as e:  # noqa: BLE001 - never leave the decode loop waiting
             inbox.put(("crashed", e))
 
-    def _prefill_requests(self, todo: "queue.Queue", inbox: "queue.Queue", clock: Clock, stop: threading.Event):
+    def _prefill_loop(self, pool, jobs, inbox, clock, stop):
+        try:
+            self._prefill_requests(pool, jobs, inbox, clock, stop)
+        except BaseException as e:  # noqa: BLE001 - never leave the decode loop waiting
+            inbox.put(("crashed", e))
+
+    def _prefill_requests(self, pool: PrefillPool, jobs: "queue.Queue", inbox: "queue.Queue", clock: Clock,
+                          stop: threading.Event):
+        chunk = self._chunker()
         while not stop.is_set():
             try:
-                req = todo.get(timeout=0.05)
+                req = jobs.get(timeout=0.05)
             except queue.Empty:
                 continue
-            while clock.now() < req.arrival and not stop.is_set():   # not arrived yet
-                stop.wait(min(0.01, req.arrival - clock.now()))
             res = None
-            while res is None:
+            while res is None and not stop.is_set():
                 res = self.decode.reserve(req)
                 if res is None:                       # decode pool full: back-pressure
                     with self.decode.lock:
                         self.decode.lock.wait(timeout=0.05)
+            if res is None:
+                return
             h = _Handoff(res, clock.now())
             req.prefill_attempts += 1
             target = self.decode.target_device(res)
+            inbox.put(("start", h))
 
             def push(l, rows, start, h=h):
                 hook = self.fault_hooks.get("handoff")
@@ -102,9 +265,8 @@ class PDEngine:
                     h.bytes += rows.size * rows.dtype.itemsize
                 inbox.put(("layer", h, l, moved, start))
             try:
-                prefix = self._cached_prefix(req)
-                with self._pool_lock:
-                    tok, rows = self.prefill.run(req, push, prefix)
+                prefix = self._cached_prefix(req, pool)
+                tok, rows = pool.run(req, push, prefix, chunk=chunk, step_lock=self._pool_lock)
                 if self.store is not None:
                     self.store.insert(req.prompt, rows, retention=req.retention)
             except Exception as e:  # noqa: BLE001 - any handoff/prefill failure retries the request
@@ -112,7 +274,7 @@ class PDEngine:
                 continue
             inbox.put(("ready", h, tok))
 
-    def _cached_prefix(self, req):
+    def _cached_prefix(self, req, pool: PrefillPool):
         """(P, layer-by-layer loader) for the request's cached prefix, or None. A block that
         fails its checksum (or vanished) is dropped and the prefix recomputed."""
         if self.store is None:
@@ -122,7 +284,7 @@ class PDEngine:
         if P == 0:
             return None
         try:
-            loaded = self.store.load(req.prompt, P, self.prefill.replicated)
+            loaded = self.store.load(req.prompt, P, pool.replicated)
         except (CorruptBlockError, MissingBlockError) as e:
             req.prefix_errors.append(str(e))
             return None
@@ -158,15 +320,20 @@ class PDEngine:
             if r.error is None:
                 todo.put(r)
         stop = threading.Event()
-        worker = threading.Thread(target=self._prefill_loop, args=(todo, inbox, clock, stop), daemon=True)
-        worker.start()
-        queue_depth = []
+        jobs = [queue.Queue() for _ in self.prefills]
+        threads = [threading.Thread(target=self._dispatch_loop, args=(todo, jobs, clock, stop, inbox), daemon=True)]
+        threads += [threading.Thread(target=self._prefill_loop, args=(pool, q, inbox, clock, stop), daemon=True)
+                    for pool, q in zip(self.prefills, jobs)]
+        for t in threads:
+            t.start()
+        signals = _Signals(self, todo, jobs, clock)
         try:
-            self._decode_loop(reqs, todo, inbox, clock, on_token, queue_depth)
+            self._decode_loop(reqs, todo, inbox, clock, on_token, signals)
         finally:
             stop.set()
-            worker.join(timeout=60)
-        self._record_stats(reqs, clock, queue_depth)
+            for t in threads:
+                t.join(timeout=60)
+        self._record_stats(reqs, clock, signals)
         return [r.error if r.error is not None else list(r.output) for r in reqs]
 
     def _emit(self, req: Request, tok: int, clock: Clock, on_token) -> bool:
@@ -183,12 +350,27 @@ class PDEngine:
             return True
         return False
 
-    def _decode_loop(self, reqs, todo, inbox, clock, on_token, queue_depth):
+    def _decode_loop(self, reqs, todo, inbox, clock, on_token, signals):
         remaining = sum(r.error is None for r in reqs)
+        inflight: set = set()
+
+        def retry(h, why):
+            nonlocal remaining
+            req = h.res.request
+            self.decode.cancel(h.res)
+            inflight.discard(h)
+            if req.prefill_attempts >= self.max_prefill_attempts:
+                req.error = RequestError(f"request {req.index}: prefill/handoff failed "
+                                         f"{req.prefill_attempts} times: {why}")
+                remaining -= 1
+            else:
+                todo.put(req)                      # prefill it again
+
         while remaining:
+            watching = self.handoff_timeout_s is not None and inflight
             block = not self.decode.active
             try:
-                msgs = [inbox.get(timeout=1.0) if block else inbox.get_nowait()]
+                msgs = [inbox.get(timeout=0.05 if watching else 1.0) if block else inbox.get_nowait()]
             except queue.Empty:
                 msgs = []
             while True:
@@ -201,17 +383,19 @@ class PDEngine:
                     raise RuntimeError("the prefill worker crashed") from msg[1]
                 kind, h = msg[0], msg[1]
                 req = h.res.request
-                if kind == "layer":
+                if h.abandoned:                            # a timed-out attempt's late message
+                    continue
+                if kind == "start":
+                    inflight.add(h)
+                elif kind == "layer":
                     self.decode.receive_layer(h.res, msg[2], msg[3], msg[4])
+                    h.t_progress = clock.now()
+                    if not self.colocated:
+                        signals.bytes += msg[3].nbytes
                 elif kind == "failed":
-                    self.decode.cancel(h.res)
-                    if req.prefill_attempts >= self.max_prefill_attempts:
-                        req.error = RequestError(f"request {req.index}: prefill/handoff failed "
-                                                 f"{req.prefill_attempts} times: {msg[2]}")
-                        remaining -= 1
-                    else:
-                        todo.put(req)                      # prefill it again
+                    retry(h, msg[2])
                 else:                                      # "ready": all layers sent
+                    inflight.discard(h)
                     req.kv_bytes_sent += h.bytes
                     if self._emit(req, msg[2], clock, on_token):
                         self.decode.cancel(h.res)
@@ -219,7 +403,14 @@ class PDEngine:
                         continue
                     self.decode.admit(h.res, msg[2])
                     req.kv_wait_s += clock.now() - h.t_reserved
-            queue_depth.append(todo.qsize())
+                    signals.kv_waits.append(req.kv_wait_s)
+            if self.handoff_timeout_s is not None:
+                now = clock.now()
+                for h in [h for h in inflight if now - h.t_progress > self.handoff_timeout_s]:
+                    h.abandoned = True
+                    h.res.request.handoff_timeouts += 1
+                    retry(h, f"no KV arrived for {self.handoff_timeout_s:g} s (handoff timed out)")
+            signals.sample()
             if self.decode.active:
                 with self._pool_lock:
                     new_tokens = self.decode.step()
@@ -229,17 +420,49 @@ class PDEngine:
                         self.decode.release(slot)
                         remaining -= 1
 
-    def _record_stats(self, reqs, clock, queue_depth):
+    def _record_stats(self, reqs, clock, signals):
         per = [r.metrics() for r in reqs]
         sent = sum(r.kv_bytes_sent for r in reqs)
         elapsed = clock.now()
         waits = [r.kv_wait_s for r in reqs if r.error is None]
+        depths = [row["prefill_queue_depth"] for row in signals.rows] or [0]
+        bw = self.link_bandwidth_Bps
         self.stats = {"requests": per, "kv_bytes_sent": sent, "elapsed_s": elapsed,
                       "link_throughput_Bps": sent / elapsed if elapsed > 0 else 0.0,
-                      "prefill_queue_depth_max": max(queue_depth, default=0),
-                      "prefill_queue_depth_mean": float(np.mean(queue_depth)) if queue_depth else 0.0,
+                      "link_bandwidth_Bps": bw,
+                      "link_utilisation": sent / elapsed / bw if bw and elapsed > 0 else 0.0,
+                      "prefill_queue_depth_max": max(depths),
+                      "prefill_queue_depth_mean": float(np.mean(depths)),
                       "decode_kv_wait_p95_s": float(np.percentile(waits, 95)) if waits else 0.0,
+                      "handoff_timeouts": sum(r.handoff_timeouts for r in reqs),
+                      "signals": signals.rows,
                       "failed": sum(r.error is not None for r in reqs)}
+
+
+class _Signals:
+    """The three DOPD signals, sampled every ``interval`` seconds of the decode loop:
+    prefill queue depth (waiting for dispatch or for a prefill worker), P95 decode KV-wait
+    of the requests admitted in the interval, and KV link utilisation (bytes that arrived in
+    the interval over interval x the measured link bandwidth)."""
+
+    interval = 0.1
+
+    def __init__(self, engine: PDEngine, todo, jobs, clock: Clock):
+        self.engine, self.todo, self.jobs, self.clock = engine, todo, jobs, clock
+        self.rows: list[dict] = []
+        self.bytes = 0
+        self.kv_waits: list[float] = []
+        self.t_last = 0.0
+
+    def sample(self) -> None:
+        t = self.clock.now()
+        if t - self.t_last < self.interval:
+            return
+        bw = self.engine.link_bandwidth_Bps
+        self.rows.append({"t": t, "prefill_queue_depth": self.todo.qsize() + sum(q.qsize() for q in self.jobs),
+                          "decode_kv_wait_p95_s": float(np.percentile(self.kv_waits, 95)) if self.kv_waits else 0.0,
+                          "link_utilisation": self.bytes / ((t - self.t_last) * bw) if bw else 0.0})
+        self.bytes, self.kv_waits, self.t_last = 0, [], t
 
 
 class ColocatedEngine(PDEngine):

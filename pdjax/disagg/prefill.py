@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import time
 
 import jax
 import jax.numpy as jnp
@@ -89,7 +90,7 @@ class PrefillPool:
     def _put(self, a):
         return jax.device_put(a, self.replicated)
 
-    def run(self, req, push, prefix=None, timeline=None, chunk=None, step_lock=None):
+    def run(self, req, push, prefix=None, timeline=None, chunk=None, step_lock=None, chunk_times=None):
         """Prefill ``req``; call ``push(layer, rows, start)`` with each layer's latent rows
         [q, C+R] for prompt positions start..start+q-1 right after that layer is dispatched
         (the first chunk's rows include a cached prefix's: the decode side needs them all).
@@ -102,7 +103,9 @@ class PrefillPool:
         layers, attending to the rows of the earlier ones (``req.prefill_chunks`` records the
         sizes). ``step_lock``: a context manager held around each chunk (a colocated pool
         lets decode steps run between chunks).
-        ``timeline``: a :class:`pdjax.disagg.timeline.Timeline` to record each layer's compute."""
+        ``timeline``: a :class:`pdjax.disagg.timeline.Timeline` to record each layer's compute.
+        ``chunk_times``: a list to append each chunk's wall seconds to (the chunk is waited
+        for, so only for calibration)."""
         T = len(req.prompt)
         P, loaded = prefix if prefix else (0, None)
         plan = chunk_plan(T, P, chunk)
@@ -110,8 +113,12 @@ class PrefillPool:
         step_lock = step_lock or contextlib.nullcontext()
         layers = self.params["layers"]
         if loaded is None and len(plan) == 1:            # the whole prompt, no cache: one pass
+            t0 = time.perf_counter()
             with step_lock:
                 x, rows = self._fresh(req.prompt, push, timeline)
+            if chunk_times is not None:
+                x.block_until_ready()
+                chunk_times.append(time.perf_counter() - t0)
             return self._first_token(req, x, T - 1), rows
         size = max(pos + bucket(q, self.size) for pos, q in plan)
         size = bucket(size, self.size)
@@ -122,6 +129,7 @@ class PrefillPool:
             tokens[0, :q] = req.prompt[pos:pos + q]
             q_pos = self._put((pos + np.arange(Tb, dtype=np.int32))[None])
             start = self._put(np.array([pos], np.int32))
+            t0 = time.perf_counter()
             with step_lock:
                 x = _embed(self.params, self._put(tokens))
                 for l, lp in enumerate(layers):
@@ -138,6 +146,9 @@ class PrefillPool:
                         timeline.record("prefill compute", f"layer {l}", x)
                     lo = 0 if pos == P else pos           # the first chunk also sends the cached prefix
                     push(l, kvs[l][0, lo:pos + q], lo)
+                if chunk_times is not None:
+                    x.block_until_ready()
+                    chunk_times.append(time.perf_counter() - t0)
         return self._first_token(req, x, plan[-1][1] - 1), [kv[0, :T] for kv in kvs]
 
     def _fresh(self, prompt, push, timeline):

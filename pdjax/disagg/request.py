@@ -53,6 +53,10 @@ class Request:
     kv_wait_s: float = 0.0
     prefill_attempts: int = 0
     prefix_errors: list = dataclasses.field(default_factory=list)
+    prefill_worker: Optional[int] = None
+    predicted_prefill_s: Optional[float] = None
+    prefill_chunks: list = dataclasses.field(default_factory=list)
+    handoff_timeouts: int = 0
 
     @property
     def done(self) -> bool:
@@ -67,7 +71,9 @@ class Request:
                 "e2e": None if self.finish_time is None else self.finish_time - self.arrival,
                 "kv_bytes_sent": self.kv_bytes_sent, "prefix_hit_tokens": self.prefix_hit_tokens,
                 "kv_wait_s": self.kv_wait_s, "prefill_attempts": self.prefill_attempts,
-                "prefix_errors": list(self.prefix_errors),
+                "prefix_errors": list(self.prefix_errors), "prefill_worker": self.prefill_worker,
+                "predicted_prefill_s": self.predicted_prefill_s, "prefill_chunks": list(self.prefill_chunks),
+                "handoff_timeouts": self.handoff_timeouts,
                 "error": None if self.error is None else str(self.error)}
 
 

@@ -2,32 +2,20 @@
 identical tokens; the KV handed off is exactly the latent rows; faults lose nothing."""
 
 import jax
-import numpy as np
 import pytest
 
-import pdjax
 from pdjax.disagg import ColocatedEngine, PDEngine, RequestError, SamplingParams
 from pdjax.disagg.prefill import bucket
 
 
-def _prompts(cfg):
-    rng = np.random.RandomState(0)
-    system = list(rng.randint(0, cfg.vocab_size, 40))           # a shared prefix
-    lens = [1, 7, 200, 33, 2, 90]
-    out = [list(rng.randint(0, cfg.vocab_size, n)) for n in lens]
-    out += [system + list(rng.randint(0, cfg.vocab_size, n)) for n in (5, 21)]
-    return out
+@pytest.fixture(scope="module")
+def prompts(pd_prompts):
+    return pd_prompts
 
 
 @pytest.fixture(scope="module")
-def prompts(tiny_cfg):
-    return _prompts(tiny_cfg)
-
-
-@pytest.fixture(scope="module")
-def expected(tiny_cfg, tiny_params, prompts):
-    out = pdjax.generate(tiny_params, tiny_cfg, prompts, max_new_tokens=5)
-    return [o[len(p):] for o, p in zip(out, prompts)]
+def expected(pd_expected):
+    return pd_expected
 
 
 @pytest.fixture(scope="module")
