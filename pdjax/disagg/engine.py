@@ -27,11 +27,9 @@ decodes.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import queue
 import threading
-import time
 
 import jax
 import numpy as np
@@ -42,6 +40,7 @@ from pdjax.disagg.decode import DecodePool, Reservation
 from pdjax.disagg.prefill import PrefillPool, chunk_plan
 from pdjax.disagg.prefix_store import CorruptBlockError, MissingBlockError, PrefixStore
 from pdjax.disagg.request import Clock, Request, RequestError, SamplingParams, validate_request
+from pdjax.disagg.scheduling import FifoLock, Signals, largest_chunk, measure_link_bandwidth
 
 
 class _Handoff:
@@ -52,59 +51,6 @@ class _Handoff:
         self.t_progress = t_reserved          # last layer that arrived (decode side)
         self.bytes = 0
         self.abandoned = False                # timed out: its late messages are ignored
-
-
-class _FifoLock:
-    """A lock granted in request order: a prefill that releases it between chunks lets a
-    decode step that is already waiting run before its next chunk."""
-
-    def __init__(self):
-        self._cond = threading.Condition()
-        self._waiting: collections.deque = collections.deque()
-        self._held = False
-
-    def __enter__(self):
-        me = object()
-        with self._cond:
-            self._waiting.append(me)
-            while self._held or self._waiting[0] is not me:
-                self._cond.wait()
-            self._waiting.popleft()
-            self._held = True
-
-    def __exit__(self, *exc):
-        with self._cond:
-            self._held = False
-            self._cond.notify_all()
-
-
-def largest_chunk(cost, c: int, budget_s: float, q_max: int) -> int:
-    """The largest q <= q_max with cost(q, c) <= budget_s, at least 1 (a chunk must make
-    progress). Uses ``cost.max_chunk`` when the model has it, else bisection (cost is
-    non-decreasing in q)."""
-    if hasattr(cost, "max_chunk"):
-        return max(1, cost.max_chunk(c, budget_s, q_max=q_max))
-    lo, hi = 0, q_max
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if cost(mid, c) <= budget_s:
-            lo = mid
-        else:
-            hi = mid - 1
-    return max(1, lo)
-
-
-def measure_link_bandwidth(src, dst, nbytes: int = 8 << 20, repeats: int = 3) -> float:
-    """Bytes per second of a device_put from device ``src`` to device ``dst`` (best of
-    ``repeats``, after a warm-up copy)."""
-    x = jax.device_put(np.zeros(nbytes // 4, np.float32), src)
-    jax.device_put(x, dst).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.device_put(x, dst).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best
 
 
 class PDEngine:
@@ -151,7 +97,7 @@ class PDEngine:
             link_bandwidth_Bps = measure_link_bandwidth(prefill_devices[0], decode_devices[0])
         self.link_bandwidth_Bps = link_bandwidth_Bps
         # one pool: a step is either a prefill chunk or a decode step, never both at once
-        self._pool_lock = _FifoLock() if colocated else contextlib.nullcontext()
+        self._pool_lock = FifoLock() if colocated else contextlib.nullcontext()
         self.store = None
         if prefix_cache:
             opts = {"device_blocks": 0, "host_blocks": 256, **(prefix_cache if isinstance(prefix_cache, dict) else {})}
@@ -326,7 +272,7 @@ class PDEngine:
                     for pool, q in zip(self.prefills, jobs)]
         for t in threads:
             t.start()
-        signals = _Signals(self, todo, jobs, clock)
+        signals = Signals(self, todo, jobs, clock)
         try:
             self._decode_loop(reqs, todo, inbox, clock, on_token, signals)
         finally:
@@ -437,32 +383,6 @@ class PDEngine:
                       "handoff_timeouts": sum(r.handoff_timeouts for r in reqs),
                       "signals": signals.rows,
                       "failed": sum(r.error is not None for r in reqs)}
-
-
-class _Signals:
-    """The three DOPD signals, sampled every ``interval`` seconds of the decode loop:
-    prefill queue depth (waiting for dispatch or for a prefill worker), P95 decode KV-wait
-    of the requests admitted in the interval, and KV link utilisation (bytes that arrived in
-    the interval over interval x the measured link bandwidth)."""
-
-    interval = 0.1
-
-    def __init__(self, engine: PDEngine, todo, jobs, clock: Clock):
-        self.engine, self.todo, self.jobs, self.clock = engine, todo, jobs, clock
-        self.rows: list[dict] = []
-        self.bytes = 0
-        self.kv_waits: list[float] = []
-        self.t_last = 0.0
-
-    def sample(self) -> None:
-        t = self.clock.now()
-        if t - self.t_last < self.interval:
-            return
-        bw = self.engine.link_bandwidth_Bps
-        self.rows.append({"t": t, "prefill_queue_depth": self.todo.qsize() + sum(q.qsize() for q in self.jobs),
-                          "decode_kv_wait_p95_s": float(np.percentile(self.kv_waits, 95)) if self.kv_waits else 0.0,
-                          "link_utilisation": self.bytes / ((t - self.t_last) * bw) if bw else 0.0})
-        self.bytes, self.kv_waits, self.t_last = 0, [], t
 
 
 class ColocatedEngine(PDEngine):

@@ -10,7 +10,7 @@ import pytest
 
 from pdjax.analysis.costmodel_fit import PrefillCostFit
 from pdjax.disagg import ColocatedEngine, PDEngine
-from pdjax.disagg.engine import largest_chunk
+from pdjax.disagg.scheduling import largest_chunk
 
 ITEMSIZE = 4
 
