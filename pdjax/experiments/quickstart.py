@@ -25,6 +25,9 @@ DEFAULTS = {
     # H800, mean KV length 4,989.
     "analysis": {"preset": "deepseek_v3", "hardware": "h800", "context_len": 4989,
                  "weight_dtype_bytes": 1, "compute_dtype": "fp8", "ep_size": 144},
+    # a short pd_vs_colocated run (long prompts landing during decode); long_requests = 0 skips it
+    "stall": {"short_requests": 4, "short_new_tokens": 100, "long_requests": 2, "long_prompt": 512,
+              "long_first_arrival_s": 0.3, "long_interval_s": 0.4, "chunk_tokens": 128},
 }
 
 
@@ -191,8 +194,27 @@ def pd_section(cfg: dict, out_dir: str) -> tuple[str, dict]:
                                          f"= {formula:,} B)",
                   "mean TTFT / TPOT (compiled)": f"{data['ttft_ms_mean']:.1f} ms / {data['tpot_ms_mean']:.1f} ms",
                   "first call (compiles)": f"{compile_s:.1f} s"}),
-          "", "Long prefills landing during decode: `pdjax run experiments/pd_vs_colocated.toml`."]
+          ""]
+    md += _stall(c, out_dir, data)
     return "\n".join(md), data
+
+
+def _stall(c: dict, out_dir: str, data: dict) -> list[str]:
+    """The pd_vs_colocated experiment, shortened: its headline and plot in the report."""
+    from pdjax.experiments.pd_vs_colocated import run_pd_vs_colocated
+    st = c["stall"]
+    if not st["long_requests"]:
+        return ["Long prefills landing during decode: `pdjax run experiments/pd_vs_colocated.toml`."]
+    sub = os.path.join(out_dir, "pd_vs_colocated")
+    os.makedirs(sub, exist_ok=True)
+    workload = {k: v for k, v in st.items() if k != "chunk_tokens"}
+    res = run_pd_vs_colocated({"model": c["model"], "workload": workload,
+                               "engine": {"chunk_tokens": st["chunk_tokens"],
+                                          "max_context": st["long_prompt"] + 64}}, sub)
+    data["stall_headline"] = res["headline"]
+    return ["### Long prefills landing during decode", "", res["headline"] + ".", "",
+            "![ITL over time](pd_vs_colocated/itl_over_time.png)", "",
+            "Full run: `pdjax run experiments/pd_vs_colocated.toml`."]
 
 
 SECTIONS = [model_section, analysis_section, pipeline_section, pd_section]

@@ -16,7 +16,8 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 def test_quickstart_runs_and_writes_report(tmp_path):
     src = open(os.path.join(ROOT, "experiments", "quickstart.toml")).read()
     small = src.replace("batch = 4", "batch = 2").replace("prompt_len = 32", "prompt_len = 8") \
-               .replace("max_new_tokens = 16", "max_new_tokens = 4")
+               .replace("max_new_tokens = 16", "max_new_tokens = 4") \
+               + "\n[stall]\nlong_requests = 0\n"       # pd_vs_colocated: tested on its own
     cfg = tmp_path / "q.toml"
     cfg.write_text(small)
     out_dir, summary = runner.run(str(cfg), runs_dir=str(tmp_path / "runs"))
@@ -85,8 +86,9 @@ def test_pd_vs_colocated_small(tmp_path):
     cfg = tmp_path / "p.toml"
     cfg.write_text('kind = "pd_vs_colocated"\n[workload]\nshort_requests = 4\nshort_new_tokens = 6\n'
                    'long_requests = 1\nlong_prompt = 40\nlong_first_arrival_s = 0.0\n'
-                   '[engine]\nmax_decode_slots = 4\nmax_context = 64\n')
+                   '[engine]\nmax_decode_slots = 4\nmax_context = 64\nchunk_tokens = 16\n')
     out_dir, summary = runner.run(str(cfg), runs_dir=str(tmp_path / "runs"))
     assert summary["identical_tokens"] is True
     assert summary["colocated"]["kv_bytes_sent"] == 0 < summary["pd"]["kv_bytes_sent"]
+    assert summary["colocated_chunked"]["kv_bytes_sent"] == 0      # the same tokens (identical_tokens)
     assert os.path.exists(os.path.join(out_dir, "itl_over_time.png"))
