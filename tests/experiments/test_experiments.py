@@ -17,7 +17,7 @@ def test_quickstart_runs_and_writes_report(tmp_path):
     src = open(os.path.join(ROOT, "experiments", "quickstart.toml")).read()
     small = src.replace("batch = 4", "batch = 2").replace("prompt_len = 32", "prompt_len = 8") \
                .replace("max_new_tokens = 16", "max_new_tokens = 4") \
-               + "\n[stall]\nlong_requests = 0\n"       # pd_vs_colocated: tested on its own
+               .replace("long_requests = 2", "long_requests = 0")      # pd_vs_colocated: tested on its own
     cfg = tmp_path / "q.toml"
     cfg.write_text(small)
     out_dir, summary = runner.run(str(cfg), runs_dir=str(tmp_path / "runs"))
