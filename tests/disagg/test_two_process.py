@@ -1,6 +1,8 @@
 """Two-process PD serving: a prefill and a decode process (4 CPU devices each) moving the
-latent KV with jax.experimental.transfer give the tokens of pdjax.generate, receive exactly
-the latent rows, and survive a decode process killed mid-request."""
+latent KV with jax.experimental.transfer give the tokens of pdjax.generate with the prefill
+process's prefix cache off and on (hits, a corrupt block recomputed), receive exactly the
+latent rows, survive a decode process killed mid-request, and re-prefill a request whose
+handoff stalls past its deadline."""
 
 import os
 
@@ -26,7 +28,7 @@ def prompts(tiny_cfg):
     rng = np.random.RandomState(1)
     system = list(rng.randint(0, tiny_cfg.vocab_size, 20))
     out = [list(rng.randint(0, tiny_cfg.vocab_size, n)) for n in (1, 7, 40)]
-    return out + [system + list(rng.randint(0, tiny_cfg.vocab_size, 9))]
+    return out + [system + list(rng.randint(0, tiny_cfg.vocab_size, n)) for n in (9, 3)]   # 29, 23 tokens
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +41,7 @@ def expected(tiny_cfg, tiny_params, prompts):
 def server():
     srv = launch_two_process("tiny", 0, prefill_mesh={"expert": 4}, decode_mesh={"data": 2, "expert": 2},
                              block_size=16, max_decode_slots=4, max_context=256, env=CHILD_ENV,
-                             startup_timeout=60)
+                             prefix_cache={"device_blocks": 4, "host_blocks": 64}, startup_timeout=60)
     try:
         yield srv
     finally:
@@ -83,19 +85,44 @@ def test_transfer_channel_moves_exact_rows():
         assert receiver.bytes_received == sender.bytes_offered == rows.nbytes
 
 
+def _row_bytes(cfg):
+    return (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_hidden_layers * 4
+
+
 def test_two_process_equals_generate_and_receives_exact_latent_bytes(server, tiny_cfg, prompts, expected):
-    out = server.generate(prompts, max_new_tokens=NEW, timeout=90)
+    out = server.generate(prompts, max_new_tokens=NEW, timeout=90, use_prefix_cache=False)   # cache off
     assert out == expected
-    row_bytes = (tiny_cfg.kv_lora_rank + tiny_cfg.qk_rope_head_dim) * tiny_cfg.num_hidden_layers * 4
+    row_bytes = _row_bytes(tiny_cfg)
     for p, r in zip(prompts, server.stats["requests"]):
         assert r["kv_bytes_received"] == len(p) * row_bytes
         assert r["prefill_attempts"] == 1 and r["ttft"] > 0
+        assert r["prefix_hit_tokens"] == 0 and r["handoff_timeouts"] == 0
     total = sum(len(p) for p in prompts) * row_bytes
     assert server.stats["kv_bytes_received"] == total
     link = server.stats["link"]
     assert link["kv_bytes_received"] == total
     assert link["pulls"] == len(prompts) * tiny_cfg.num_hidden_layers
     assert link["link_throughput_Bps"] > 0
+
+
+def test_prefix_cache_in_prefill_process(server, tiny_cfg, prompts, expected):
+    """Cache on: identical tokens cold and warm; warm, every full block but the one holding
+    the last token hits (as in-process); all prompt rows still cross; a corrupt block is
+    recomputed and reported."""
+    assert server.generate(prompts, max_new_tokens=NEW, timeout=90) == expected
+    # in order: the 29-token prompt filled the system prefix's first block before the 23-token one
+    assert [r["prefix_hit_tokens"] for r in server.stats["requests"]] == [0, 0, 0, 0, 16]
+    assert server.generate(prompts, max_new_tokens=NEW, timeout=90) == expected
+    stats = server.stats["requests"]
+    assert [r["prefix_hit_tokens"] for r in stats] == [((len(p) - 1) // 16) * 16 for p in prompts]
+    assert [r["kv_bytes_received"] for r in stats] == [len(p) * _row_bytes(tiny_cfg) for p in prompts]
+    assert all(r["prefill_attempts"] == 1 and r["prefix_errors"] == [] for r in stats)
+
+    server.inject_prefill_fault(corrupt_prefix=prompts[2])
+    assert server.generate([prompts[2]], max_new_tokens=NEW, timeout=60) == [expected[2]]
+    r = server.stats["requests"][0]
+    assert r["prefix_hit_tokens"] == 0 and r["kv_bytes_received"] == len(prompts[2]) * _row_bytes(tiny_cfg)
+    assert len(r["prefix_errors"]) == 1 and "failed its checksum" in r["prefix_errors"][0]
 
 
 def test_bad_request_fails_alone(server, tiny_cfg, prompts, expected):
@@ -122,3 +149,24 @@ def test_decode_killed_mid_request_is_restarted_and_reissued(server, prompts, ex
     assert server.stats["decode_restarts"] == 1
     mid = [i for i, toks in at_kill.items() if 0 < len(toks) < NEW]
     assert mid and all(server.stats["requests"][i]["reissued"] == 1 for i in mid)
+
+
+def test_stalled_handoff_times_out_and_is_prefilled_again(server, tiny_cfg, prompts, expected):
+    """The last request's first attempt stalls before layer 1 is announced (until decode sends
+    it again, at most 30 s); its deadline (2 s without progress) expires: the reservation is
+    cancelled, the request prefilled again (the late layers and ready of the stalled attempt
+    are ignored, never pulled); tokens identical, the other requests untouched."""
+    slow = len(prompts) - 1
+    before = dict(server.stats.get("link", {}))
+    server.inject_prefill_fault(prompt=prompts[slow], stall_layer=1, seconds=30)
+    out = server.generate(prompts, max_new_tokens=NEW, timeout=90,
+                          handoff_timeout_s=[None] * slow + [2.0])
+    assert out == expected
+    stats = server.stats["requests"]
+    assert [r["prefill_attempts"] for r in stats] == [1] * slow + [2]
+    assert [r["handoff_timeouts"] for r in stats] == [0] * slow + [1]
+    assert stats[slow]["kv_bytes_received"] == len(prompts[slow]) * _row_bytes(tiny_cfg)
+    link = server.stats["link"]       # counters of the decode process that served `before` too
+    assert link["handoff_timeouts"] - before.get("handoff_timeouts", 0) == 1
+    # ignored: layers 1..L-1 and the ready of the abandoned attempt
+    assert link["stale_messages"] - before.get("stale_messages", 0) == tiny_cfg.num_hidden_layers
