@@ -27,7 +27,7 @@ NEW = 5
 def prompts(tiny_cfg):
     rng = np.random.RandomState(1)
     system = list(rng.randint(0, tiny_cfg.vocab_size, 20))
-    out = [list(rng.randint(0, tiny_cfg.vocab_size, n)) for n in (1, 7, 40)]
+    out = [list(rng.randint(0, tiny_cfg.vocab_size, n)) for n in (1, 7, 200)]
     return out + [system + list(rng.randint(0, tiny_cfg.vocab_size, n)) for n in (9, 3)]   # 29, 23 tokens
 
 
