@@ -61,7 +61,7 @@ def main():
     ideal_flops = A * 6 * D * F                   # routed experts, per device
     verdict = ""
     for cf in (1.0, 1.25, 2.0):
-        ep = ExpertParallel(mesh, capacity_factor=cf)
+        ep = ExpertParallel(mesh, capacity_factor=cf, impl="tiled")   # one branch: FLOPs countable
         C = ep.capacity(A)
         fn = jax.jit(lambda p, x, ep=ep: ep_moe(p, cfg, x, ep))
         compiled = fn.lower(p, x).compile()

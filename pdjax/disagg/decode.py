@@ -43,8 +43,8 @@ class Reservation:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "moe_impl"), donate_argnames=("cache",))
-def _step(params, cfg, tokens, cache, temperature, top_p, seed, gen_step, moe_impl):
-    logits, cache = decode_core(params, cfg, tokens, cache, moe_impl)
+def _step(params, cfg, tokens, cache, temperature, top_p, seed, gen_step, valid, moe_impl):
+    logits, cache = decode_core(params, cfg, tokens, cache, moe_impl, valid)
     return sample(logits, temperature, top_p, seed, gen_step), cache
 
 
@@ -188,9 +188,10 @@ class DecodePool:
         top_p = np.array([r.sampling.top_p if r else 1.0 for r in reqs], np.float32)
         seed = np.array([r.sampling.seed if r else 0 for r in reqs], np.int32)
         gen = np.array([len(r.output) if r else 0 for r in reqs], np.int32)
+        valid = np.array([r is not None for r in reqs])       # empty slots: padding for the MoE
         place = functools.partial(jax.device_put, device=self.batch_sharding)
         toks, self.cache = _step(self.params, self.cfg, place(self.last_token), self.cache, place(temp),
-                                 place(top_p), place(seed), place(gen), self.ep)
+                                 place(top_p), place(seed), place(gen), place(valid), self.ep)
         toks = np.asarray(toks)
         out = {}
         for s in self.active:

@@ -29,15 +29,15 @@ from pdjax.parallel.mesh import make_mesh, shard_params
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "moe_impl"))
-def _layer(lp, cfg, x, q_pos, moe_impl):
-    return layer(lp, cfg, x, q_pos, moe_impl=moe_impl)
+def _layer(lp, cfg, x, q_pos, valid, moe_impl):
+    return layer(lp, cfg, x, q_pos, moe_impl=moe_impl, valid_BT=valid)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "moe_impl"))
-def _layer_cached(lp, cfg, x, q_pos, kv, start, moe_impl):
+def _layer_cached(lp, cfg, x, q_pos, kv, start, valid, moe_impl):
     """A layer over a chunk that continues the request's cache kv [1, S, C+R] (rows before
     ``start`` filled): the chunk's rows are written at ``start`` and it attends causally."""
-    return layer(lp, cfg, x, q_pos, kv, start, moe_impl=moe_impl)
+    return layer(lp, cfg, x, q_pos, kv, start, moe_impl=moe_impl, valid_BT=valid)
 
 
 @functools.partial(jax.jit, static_argnames=("size",))
@@ -129,6 +129,7 @@ class PrefillPool:
             tokens[0, :q] = req.prompt[pos:pos + q]
             q_pos = self._put((pos + np.arange(Tb, dtype=np.int32))[None])
             start = self._put(np.array([pos], np.int32))
+            valid = self._put((np.arange(Tb) < q)[None])          # the bucket's padding: off the experts
             t0 = time.perf_counter()
             with step_lock:
                 x = _embed(self.params, self._put(tokens))
@@ -141,7 +142,7 @@ class PrefillPool:
                         else:
                             kvs[l] = jnp.zeros((1, size, self.cfg.kv_latent_dim), self.params["embed"].dtype,
                                                device=self.replicated)
-                    x, kvs[l] = _layer_cached(lp, self.cfg, x, q_pos, kvs[l], start, self.ep)
+                    x, kvs[l] = _layer_cached(lp, self.cfg, x, q_pos, kvs[l], start, valid, self.ep)
                     if timeline is not None:
                         timeline.record("prefill compute", f"layer {l}", x)
                     lo = 0 if pos == P else pos           # the first chunk also sends the cached prefix
@@ -157,10 +158,11 @@ class PrefillPool:
         tokens = np.zeros((1, Tb), np.int32)
         tokens[0, :T] = prompt
         q_pos = self._put(np.arange(Tb, dtype=np.int32)[None])
+        valid = self._put((np.arange(Tb) < T)[None])
         x = _embed(self.params, self._put(tokens))
         rows = []
         for l, lp in enumerate(self.params["layers"]):
-            x, kv = _layer(lp, self.cfg, x, q_pos, self.ep)
+            x, kv = _layer(lp, self.cfg, x, q_pos, valid, self.ep)
             rows.append(kv[0, :T])
             if timeline is not None:
                 timeline.record("prefill compute", f"layer {l}", x)

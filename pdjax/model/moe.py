@@ -89,6 +89,19 @@ def gate(p, cfg: ModelConfig, x_ND):
     return weights, idx.astype(jnp.int32)
 
 
+def mask_routing(weights_Nk, idx_Nk, valid_N, num_experts: int):
+    """Padding tokens (``valid_N`` False) get weight 0 and experts spread round-robin
+    ((n*k + j) mod E), so a batch padded with identical dummy tokens never piles them onto
+    one expert (which would push the exact back ends onto their slow paths). Valid tokens
+    are untouched. ``valid_N`` None: every token is valid."""
+    if valid_N is None:
+        return weights_Nk, idx_Nk
+    N, k = idx_Nk.shape
+    spread = jnp.arange(N * k, dtype=jnp.int32).reshape(N, k) % num_experts
+    v = valid_N[:, None]
+    return jnp.where(v, weights_Nk, 0.0), jnp.where(v, idx_Nk, spread)
+
+
 def swiglu(x, w_gate, w_up, w_down):
     return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
 
@@ -200,14 +213,16 @@ def routed_experts(p, x_ND, weights_Nk, idx_Nk, impl: str | None = None):
     return jnp.einsum("NkD,Nk->ND", y_NkD, weights_Nk).astype(x_ND.dtype)
 
 
-def moe(p, cfg: ModelConfig, x_ND, impl=None):
+def moe(p, cfg: ModelConfig, x_ND, impl=None, valid_N=None):
     """Routed experts plus shared experts, for flattened tokens [N,D].
 
-    ``impl``: "bucketed" / "tiled" / "ragged" (single device), or a callable ``impl(p, cfg, x_ND)`` that
-    computes the whole layer another way (e.g. pdjax.parallel's expert parallelism)."""
+    ``impl``: "bucketed" / "tiled" / "ragged" (single device), or a callable
+    ``impl(p, cfg, x_ND, valid_N)`` that computes the whole layer another way (e.g.
+    pdjax.parallel's expert parallelism). ``valid_N``: [N] bool, False for padding tokens
+    (see :func:`mask_routing`); their outputs are meaningless."""
     if callable(impl):
-        return impl(p, cfg, x_ND)
-    weights, idx = gate(p, cfg, x_ND)
+        return impl(p, cfg, x_ND, valid_N)
+    weights, idx = mask_routing(*gate(p, cfg, x_ND), valid_N, cfg.n_routed_experts)
     y = routed_experts(p, x_ND, weights, idx, impl)
     if cfg.n_shared_experts:
         s = p["shared"]

@@ -58,11 +58,13 @@ def param_dtype(params) -> jnp.dtype:
 
 # ---- one layer ----------------------------------------------------------------------------
 
-def ffn(lp, cfg: ModelConfig, x_BTD, moe_impl=None):
-    """Dense SwiGLU MLP or routed+shared MoE, by which the layer holds."""
+def ffn(lp, cfg: ModelConfig, x_BTD, moe_impl=None, valid_BT=None):
+    """Dense SwiGLU MLP or routed+shared MoE, by which the layer holds. ``valid_BT``: False
+    marks padding tokens, kept out of the experts' way (:func:`pdjax.model.moe.mask_routing`)."""
     if "moe" in lp:
         B, T, D = x_BTD.shape
-        return moe_lib.moe(lp["moe"], cfg, x_BTD.reshape(B * T, D), moe_impl).reshape(B, T, D)
+        valid = None if valid_BT is None else valid_BT.reshape(B * T)
+        return moe_lib.moe(lp["moe"], cfg, x_BTD.reshape(B * T, D), moe_impl, valid).reshape(B, T, D)
     m = lp["mlp"]
     return moe_lib.swiglu(x_BTD, m["w_gate"], m["w_up"], m["w_down"])
 
@@ -101,12 +103,12 @@ def attention(lp, cfg: ModelConfig, x_BTD, q_pos_BT, kv_layer_BSL=None, start_B=
 
 
 def layer(lp, cfg: ModelConfig, x_BTD, q_pos_BT, kv_layer_BSL=None, start_B=None,
-          absorbed=False, moe_impl=None):
+          absorbed=False, moe_impl=None, valid_BT=None):
     """One decoder layer: x + attn(norm(x)), then + ffn(norm(.)). Returns (x, kv)."""
     h, kv = attention(lp, cfg, mla.rms_norm(x_BTD, lp["attn_norm"], cfg.rms_norm_eps), q_pos_BT,
                       kv_layer_BSL, start_B, absorbed)
     x_BTD = x_BTD + h
-    x_BTD = x_BTD + ffn(lp, cfg, mla.rms_norm(x_BTD, lp["ffn_norm"], cfg.rms_norm_eps), moe_impl)
+    x_BTD = x_BTD + ffn(lp, cfg, mla.rms_norm(x_BTD, lp["ffn_norm"], cfg.rms_norm_eps), moe_impl, valid_BT)
     return x_BTD, kv
 
 
@@ -122,16 +124,16 @@ def head(params, cfg: ModelConfig, x):
 # ---- jitted cores ------------------------------------------------------------------------
 
 def run_layers(params, cfg, x_BTD, q_pos_BT, kv_layers=None, start_B=None, absorbed=False,
-               moe_impl=None):
+               moe_impl=None, valid_BT=None):
     """All decoder layers. Returns (x, per-layer kv: the new latents without a cache, the
     updated layer caches with one). A MoE implementation with its own ``run_layers`` (e.g.
     dual-batch overlap, which interleaves two micro-batches) takes over the loop."""
     if hasattr(moe_impl, "run_layers"):
-        return moe_impl.run_layers(params, cfg, x_BTD, q_pos_BT, kv_layers, start_B, absorbed)
+        return moe_impl.run_layers(params, cfg, x_BTD, q_pos_BT, kv_layers, start_B, absorbed, valid_BT)
     new_kv = []
     for l, lp in enumerate(params["layers"]):
         kv_l = None if kv_layers is None else kv_layers[l]
-        x_BTD, kv = layer(lp, cfg, x_BTD, q_pos_BT, kv_l, start_B, absorbed, moe_impl)
+        x_BTD, kv = layer(lp, cfg, x_BTD, q_pos_BT, kv_l, start_B, absorbed, moe_impl, valid_BT)
         new_kv.append(kv)
     return x_BTD, new_kv
 
@@ -157,12 +159,13 @@ def _with_stats(core):
 _forward = jax.jit(_with_stats(forward_core), static_argnames=("cfg", "moe_impl"))
 
 
-def run_with_cache(params, cfg, tokens_BT, cache, new_lengths_B, absorbed=False, moe_impl=None):
+def run_with_cache(params, cfg, tokens_BT, cache, new_lengths_B, absorbed=False, moe_impl=None,
+                   valid_BT=None):
     """Unjitted chunk through the model with a cache (prefill chunk or decode step)."""
     start = cache.lengths
     q_pos = start[:, None] + jnp.arange(tokens_BT.shape[1], dtype=jnp.int32)[None, :]
     x, new_kv = run_layers(params, cfg, embed(params, tokens_BT), q_pos, cache.layers(), start, absorbed,
-                           moe_impl)
+                           moe_impl, valid_BT)
     return head(params, cfg, x), cache.with_layers(new_kv, start + new_lengths_B)
 
 
@@ -184,10 +187,12 @@ def _prefill_fresh(params, cfg, tokens_BT, lengths_B, max_len, absorbed=False, m
     return head(params, cfg, x), KVCache(kv=kv, lengths=lengths_B.astype(jnp.int32))
 
 
-def decode_core(params, cfg, tokens_B, cache, moe_impl=None):
-    """Unjitted decode step: one token per row, absorbed MLA. (logits [B,V], cache)."""
+def decode_core(params, cfg, tokens_B, cache, moe_impl=None, valid_B=None):
+    """Unjitted decode step: one token per row, absorbed MLA. (logits [B,V], cache).
+    ``valid_B``: False for rows that are empty slots (padding, kept off the experts)."""
     logits, cache = run_with_cache(params, cfg, tokens_B[:, None], cache,
-                                    jnp.ones_like(cache.lengths), True, moe_impl)
+                                    jnp.ones_like(cache.lengths), True, moe_impl,
+                                    None if valid_B is None else valid_B[:, None])
     return logits[:, 0], cache
 
 

@@ -30,8 +30,8 @@ class DualBatchOverlap(ExpertParallel):
     """Expert parallelism with dual-batch overlap: the model's layer loop is replaced by the
     interleaved two-micro-batch loop. Batch halves must each divide over the batch axes."""
 
-    def run_layers(self, params, cfg, x_BTD, q_pos_BT, kv_layers, start_B, absorbed):
-        return run_layers_dbo(params, cfg, x_BTD, q_pos_BT, kv_layers, start_B, absorbed, self)
+    def run_layers(self, params, cfg, x_BTD, q_pos_BT, kv_layers, start_B, absorbed, valid_BT=None):
+        return run_layers_dbo(params, cfg, x_BTD, q_pos_BT, kv_layers, start_B, absorbed, self, valid_BT)
 
 
 def _halves(x):
@@ -41,18 +41,19 @@ def _halves(x):
     return x[:b], x[b:]
 
 
-def run_layers_dbo(params, cfg, x_BTD, q_pos_BT, kv_layers, start_B, absorbed, ep: ExpertParallel):
+def run_layers_dbo(params, cfg, x_BTD, q_pos_BT, kv_layers, start_B, absorbed, ep: ExpertParallel,
+                   valid_BT=None):
     B = x_BTD.shape[0]
     if B % 2 or (B // 2) % ep.batch_size:
         raise ValueError(f"dual-batch overlap splits batch {B} in two halves that must each divide over "
                          f"the batch axes {ep.batch_axes} (size {ep.batch_size})")
-    x, q_pos, start = list(_halves(x_BTD)), _halves(q_pos_BT), _halves(start_B)
+    x, q_pos, start, valid = list(_halves(x_BTD)), _halves(q_pos_BT), _halves(start_B), _halves(valid_BT)
     eps = cfg.rms_norm_eps
     new_kv = []
     for l, lp in enumerate(params["layers"]):
         kv = _halves(None if kv_layers is None else kv_layers[l])
         if "moe" not in lp:
-            outs = [layer(lp, cfg, x[m], q_pos[m], kv[m], start[m], absorbed, ep) for m in (0, 1)]
+            outs = [layer(lp, cfg, x[m], q_pos[m], kv[m], start[m], absorbed, ep, valid[m]) for m in (0, 1)]
             x = [o[0] for o in outs]
             new_kv.append(jnp.concatenate([o[1] for o in outs]))
             continue
@@ -67,11 +68,14 @@ def run_layers_dbo(params, cfg, x_BTD, q_pos_BT, kv_layers, start_B, absorbed, e
         def flat(t):
             return t.reshape(-1, t.shape[-1])
 
+        def flat_valid(m):
+            return None if valid[m] is None else valid[m].reshape(-1)
+
         h0, n0, kv0 = attend(0)
-        s0, drop0 = ep_dispatch(p, cfg, flat(n0), ep)           # a2a(0) in flight ...
+        s0, drop0 = ep_dispatch(p, cfg, flat(n0), ep, flat_valid(0))   # a2a(0) in flight ...
         h1, n1, kv1 = attend(1)                                 # ... under attn(1)
         r0 = ep_compute(p, s0, ep)
-        s1, drop1 = ep_dispatch(p, cfg, flat(n1), ep)           # a2a(1) under experts(0)
+        s1, drop1 = ep_dispatch(p, cfg, flat(n1), ep, flat_valid(1))   # a2a(1) under experts(0)
         y0 = ep_combine(r0, s0, ep, n0.dtype)
         r1 = ep_compute(p, s1, ep)                              # experts(1) under combine(0)
         y1 = ep_combine(r1, s1, ep, n1.dtype)

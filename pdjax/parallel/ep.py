@@ -40,7 +40,8 @@ class ExpertParallel:
 
     expert_axis: mesh axis the experts are split over; batch_axes: mesh axes the tokens
     are split over (default: all axes, DP attention); capacity_factor: None = dropless;
-    impl: local expert back end of the padded path (see :mod:`pdjax.model.moe`);
+    impl: local expert back end of the padded path (see :mod:`pdjax.model.moe`; None: the
+    backend's default, "bucketed" on CPU);
     dispatch: "auto" (the dropless ragged_all_to_all + ragged_dot path of
     :mod:`pdjax.parallel.ep_ragged` on GPU/TPU when capacity_factor is None, else the
     capacity-padded all_to_all), "padded", "ragged", or "ragged-emulated" (the ragged path
@@ -53,7 +54,7 @@ class ExpertParallel:
     expert_axis: str = "expert"
     batch_axes: tuple[str, ...] | None = None
     capacity_factor: float | None = None
-    impl: str = "tiled"
+    impl: str | None = None
     dispatch: str = "auto"
     target_platform: str | None = None
 
@@ -108,8 +109,8 @@ class ExpertParallel:
             return assignments
         return max(1, math.ceil(self.capacity_factor * assignments / self.ep_size))
 
-    def __call__(self, p, cfg: ModelConfig, x_ND):
-        y, dropped = ep_moe(p, cfg, x_ND, self)
+    def __call__(self, p, cfg: ModelConfig, x_ND, valid_N=None):
+        y, dropped = ep_moe(p, cfg, x_ND, self, valid_N)
         moe_lib.record_stat(dropped)
         if cfg.n_shared_experts:   # data-parallel: x is batch-sharded, the weights replicated
             s = p["shared"]
@@ -159,21 +160,23 @@ def _specs(ep: ExpertParallel):
     return P(ep.batch_axes if len(ep.batch_axes) > 1 else ep.batch_axes[0])
 
 
-def ep_dispatch(p, cfg: ModelConfig, x_ND, ep: ExpertParallel):
+def ep_dispatch(p, cfg: ModelConfig, x_ND, ep: ExpertParallel, valid_N=None):
     """Stage 1: route locally and send each assignment to its expert's rank.
 
     Returns (state, dropped): the in-flight state (arrays split over all devices, opaque to
     callers: pass it to :func:`ep_compute` and :func:`ep_combine`) and the dropped count
-    (summed over the mesh; always 0 when dropless)."""
+    (summed over the mesh; always 0 when dropless). ``valid_N``: False for padding tokens
+    (routed round-robin with weight 0, not counted as dropped)."""
     pl, batch = _plan(p, cfg, x_ND.shape[0], ep), _specs(ep)
     route = {key: p[key] for key in ("router", "router_bias", "log2phy", "logcnt") if key in p}
+    valid = jnp.ones(x_ND.shape[0], bool) if valid_N is None else valid_N
     if ep.dispatch_impl != "padded":
-        return ep_ragged.dispatch(p, cfg, x_ND, ep, pl, batch, route, _physical_ids)
+        return ep_ragged.dispatch(p, cfg, x_ND, valid, ep, pl, batch, route, _physical_ids)
     X, C, A, axis = pl.X, pl.C, pl.A, ep.expert_axis
 
-    def local(x, route):
+    def local(x, valid, route):
         D = x.shape[1]
-        weights, idx = moe_lib.gate(route, cfg, x)
+        weights, idx = moe_lib.mask_routing(*moe_lib.gate(route, cfg, x), valid, cfg.n_routed_experts)
         phys = _physical_ids(idx, route, ep).reshape(A)
         dest, loc = phys // pl.E_loc, phys % pl.E_loc
         order = jnp.argsort(dest, stable=True)
@@ -188,11 +191,12 @@ def ep_dispatch(p, cfg: ModelConfig, x_ND, ep: ExpertParallel):
         send_e = jnp.full((X * C,), -1, jnp.int32).at[slot].set(loc, mode="drop")
         recv_x = jax.lax.all_to_all(send_x.reshape(X, C, D), axis, 0, 0).reshape(X * C, D)
         recv_e = jax.lax.all_to_all(send_e.reshape(X, C), axis, 0, 0).reshape(X * C)
-        dropped = jax.lax.psum(A - keep.sum(dtype=jnp.int32), tuple(ep.mesh.axis_names))
+        lost = (~keep & jnp.repeat(valid, pl.k)).sum(dtype=jnp.int32)
+        dropped = jax.lax.psum(lost, tuple(ep.mesh.axis_names))
         return (recv_x, recv_e, slot, weights * keep.reshape(pl.n, pl.k)), dropped
 
-    return jax.shard_map(local, mesh=ep.mesh, in_specs=(batch, jax.tree.map(lambda _: P(), route)),
-                         out_specs=((batch,) * 4, P()), check_vma=False)(x_ND, route)
+    return jax.shard_map(local, mesh=ep.mesh, in_specs=(batch, batch, jax.tree.map(lambda _: P(), route)),
+                         out_specs=((batch,) * 4, P()), check_vma=False)(x_ND, valid, route)
 
 
 def ep_compute(p, state, ep: ExpertParallel):
@@ -204,9 +208,10 @@ def ep_compute(p, state, ep: ExpertParallel):
     recv_x, recv_e = state[:2]
 
     def local(experts, rows, ids):
-        valid = ids >= 0
-        return moe_lib.routed_experts(experts, rows, valid[:, None].astype(jnp.float32),
-                                      jnp.where(valid, ids, 0)[:, None], ep.impl)
+        # empty capacity slots (id -1) are padding: weight 0, spread over the local experts
+        weights, idx = moe_lib.mask_routing(jnp.ones((rows.shape[0], 1), jnp.float32), ids[:, None], ids >= 0,
+                                            experts["w_gate"].shape[0])
+        return moe_lib.routed_experts(experts, rows, weights, idx, ep.impl)
 
     return jax.shard_map(local, mesh=ep.mesh, in_specs=({k: P(ep.expert_axis) for k in experts}, batch, batch),
                          out_specs=batch, check_vma=False)(experts, recv_x, recv_e)
@@ -230,10 +235,10 @@ def ep_combine(y_rows, state, ep: ExpertParallel, dtype):
                          check_vma=False)(y_rows, slot, weights)
 
 
-def ep_moe(p, cfg: ModelConfig, x_ND, ep: ExpertParallel):
+def ep_moe(p, cfg: ModelConfig, x_ND, ep: ExpertParallel, valid_N=None):
     """Routed experts, expert-parallel: dispatch, compute, combine.
     Returns (y [N,D], dropped assignments over the mesh, int32)."""
-    state, dropped = ep_dispatch(p, cfg, x_ND, ep)
+    state, dropped = ep_dispatch(p, cfg, x_ND, ep, valid_N)
     y_rows = ep_compute(p, state, ep)
     return ep_combine(y_rows, state, ep, x_ND.dtype), dropped
 

@@ -74,15 +74,15 @@ def _exclusive_cumsum(x, axis=0):
     return jnp.cumsum(x, axis=axis) - x
 
 
-def dispatch(p, cfg: ModelConfig, x_ND, ep, plan, batch, route, physical_ids):
+def dispatch(p, cfg: ModelConfig, x_ND, valid_N, ep, plan, batch, route, physical_ids):
     """Stage 1. Returns (state, dropped = 0); every state array is split over all devices."""
     X, L, A, k, axis = plan.X, plan.E_loc, plan.A, plan.k, ep.expert_axis
     M = X * A
     a2a = _collective(ep)
 
-    def local(x, route):
+    def local(x, valid, route):
         D = x.shape[1]
-        weights, idx = moe_lib.gate(route, cfg, x)
+        weights, idx = moe_lib.mask_routing(*moe_lib.gate(route, cfg, x), valid, cfg.n_routed_experts)
         phys = physical_ids(idx, route, ep).reshape(A)
         order = jnp.argsort(phys, stable=True).astype(jnp.int32)             # by expert, so by rank
         counts = jnp.bincount(phys, length=X * L).astype(jnp.int32).reshape(X, L)
@@ -101,8 +101,8 @@ def dispatch(p, cfg: ModelConfig, x_ND, ep, plan, batch, route, physical_ids):
         return state
 
     specs = (batch,) * 8
-    state = jax.shard_map(local, mesh=ep.mesh, in_specs=(batch, jax.tree.map(lambda _: P(), route)),
-                          out_specs=specs, check_vma=False)(x_ND, route)
+    state = jax.shard_map(local, mesh=ep.mesh, in_specs=(batch, batch, jax.tree.map(lambda _: P(), route)),
+                          out_specs=specs, check_vma=False)(x_ND, valid_N, route)
     return state, jnp.zeros((), jnp.int32)
 
 

@@ -138,3 +138,27 @@ def test_tile_padding_bound():
             G = moe.num_tiles(A, E, T)
             assert G * T <= A + min(A, E) * (T - 1)
             assert G * T <= 1.125 * A or T == 1
+
+
+def test_padding_tokens_are_spread_and_weightless(tiny_cfg, tiny_params):
+    """A batch of 6 real tokens padded with 26 identical dummy tokens: with the mask, the
+    dummies get weight 0 and experts (n*k + j) mod E, so no expert holds more than the real
+    load plus ceil(26*k/E); the real tokens' outputs are unchanged, exactly."""
+    cfg, p = tiny_cfg, tiny_params["layers"][1]["moe"]
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    real = jax.random.normal(jax.random.key(3), (6, cfg.hidden_size))
+    x = jnp.concatenate([real, jnp.zeros((26, cfg.hidden_size))])
+    valid = jnp.arange(32) < 6
+    w, idx = moe.mask_routing(*moe.gate(p, cfg, x), valid, E)
+    w0, idx0 = moe.gate(p, cfg, x)
+    np.testing.assert_array_equal(idx[:6], idx0[:6])
+    np.testing.assert_array_equal(w[:6], w0[:6])
+    assert (np.asarray(w[6:]) == 0).all()
+    assert np.asarray(idx[6:]).reshape(-1).tolist() == [(n * k + j) % E for n in range(6, 32) for j in range(k)]
+    unmasked = np.bincount(np.asarray(idx0).reshape(-1), minlength=E).max()
+    masked = np.bincount(np.asarray(idx).reshape(-1), minlength=E)
+    real_load = np.bincount(np.asarray(idx0[:6]).reshape(-1), minlength=E)
+    assert (masked <= real_load + -(-26 * k // E)).all() and masked.max() < unmasked
+    for impl in ("bucketed", "tiled"):
+        got = moe.moe(p, cfg, x, impl, valid)
+        np.testing.assert_allclose(got[:6], moe.moe(p, cfg, real, impl), atol=1e-6, rtol=0)

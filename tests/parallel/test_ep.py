@@ -152,3 +152,32 @@ def test_eplb_placement_from_recorded_routing_runs_exactly(tiny_cfg, tiny_params
     params = place_experts(tiny_params, phy2log)
     out = pdjax.forward(params, tiny_cfg, tokens, mesh=make_mesh({"data": 1, "expert": 8}))
     np.testing.assert_allclose(out, reference[0], atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("dispatch", ["padded", "ragged-emulated"])
+def test_padding_tokens_do_not_count_as_drops(tiny_cfg, tiny_params, dispatch):
+    """One real token per device, three padding tokens (valid False). With one row per
+    destination rank (padded, cf 0.25: C = ceil(0.25 * 4*2 / 4) = 1), the real token comes
+    first in send order, so it loses an assignment exactly when both its experts live on one
+    rank; the padding tokens' assignments never count. Dropless (ragged): nothing dropped.
+    Kept real tokens equal the single-device experts."""
+    cfg = tiny_cfg
+    X, E_loc = 4, cfg.n_routed_experts // 4
+    mesh = make_mesh({"data": 2, "expert": X})
+    p = tiny_params["layers"][1]["moe"]
+    x = jax.random.normal(jax.random.key(9), (32, cfg.hidden_size))
+    valid = np.arange(32) % 4 == 0                                     # n = 4 tokens per device
+    cf = 0.25 if dispatch == "padded" else None
+    ep = ExpertParallel(mesh, capacity_factor=cf, dispatch=dispatch)
+    y, dropped = jax.jit(lambda p, x, v: ep_moe(p, cfg, x, ep, v))(p, x, jnp.asarray(valid))
+    w, idx = pdjax.model.moe.gate(p, cfg, x)
+    want = pdjax.model.moe.routed_experts(p, x, w, idx, "tiled")
+    same_rank = np.asarray(idx[:, 0] // E_loc == idx[:, 1] // E_loc) & valid
+    if dispatch == "padded":
+        assert int(dropped) == int(same_rank.sum())
+        kept = valid & ~same_rank
+    else:
+        assert int(dropped) == 0
+        kept = valid
+    assert kept.any()
+    np.testing.assert_allclose(np.asarray(y)[kept], np.asarray(want)[kept], atol=TOL, rtol=0)
