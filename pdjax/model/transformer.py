@@ -172,7 +172,13 @@ def run_with_cache(params, cfg, tokens_BT, cache, new_lengths_B, absorbed=False,
 @functools.partial(jax.jit, static_argnames=("cfg", "absorbed", "moe_impl"), donate_argnames=("cache",))
 @_with_stats
 def _prefill(params, cfg, tokens_BT, cache, lengths_B, absorbed=False, moe_impl=None):
-    return run_with_cache(params, cfg, tokens_BT, cache, lengths_B, absorbed, moe_impl)
+    return run_with_cache(params, cfg, tokens_BT, cache, lengths_B, absorbed, moe_impl,
+                          _valid(tokens_BT.shape[1], lengths_B))
+
+
+def _valid(T, lengths_B):
+    """[B,T] True for a row's real tokens, False for the padding after its length."""
+    return jnp.arange(T, dtype=jnp.int32)[None, :] < lengths_B[:, None]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_len", "absorbed", "moe_impl"))
@@ -182,7 +188,8 @@ def _prefill_fresh(params, cfg, tokens_BT, lengths_B, max_len, absorbed=False, m
     its latents are then laid into a cache of max_len positions."""
     B, T = tokens_BT.shape
     q_pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    x, new_kv = run_layers(params, cfg, embed(params, tokens_BT), q_pos, None, None, absorbed, moe_impl)
+    x, new_kv = run_layers(params, cfg, embed(params, tokens_BT), q_pos, None, None, absorbed, moe_impl,
+                           _valid(T, lengths_B))
     kv = tuple(jnp.pad(k, ((0, 0), (0, max_len - T), (0, 0))) for k in new_kv)
     return head(params, cfg, x), KVCache(kv=kv, lengths=lengths_B.astype(jnp.int32))
 
