@@ -8,8 +8,10 @@ capacity in blocks:
 
 - ``device``: jax arrays on one device (``device=``, default ``jax.devices()[0]``);
 - ``host``: numpy arrays;
-- ``disk``: one ``.npy`` file of raw bytes per block in a private directory under
-  ``disk_dir``, written to a temporary file and renamed (a reader never sees half a block).
+- ``disk``: a TensorStore zarr3 array ``[disk_blocks + 1, L, block_size, W]`` in a private
+  directory under ``disk_dir``, one chunk (one file) per block slot, uncompressed; a block
+  is written to a free slot and its slot freed when it leaves (one spare slot lets a block
+  be written before the LRU block it displaces is demoted out).
 
 New blocks enter the first tier with room; a block evicted from a tier is demoted to the
 next one (device -> host -> disk) keeping its expiry, and dropped after the last one. A
@@ -42,6 +44,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tensorstore as ts
 
 from pdjax.config import ModelConfig
 from pdjax.disagg.prefix_index import PrefixCache, check_block_size, token_chain_hashes
@@ -109,7 +112,7 @@ class PrefixStore:
                                       on_evict=lambda h, exp, t=t: self._demote(h, exp, t),
                                       on_expire=lambda h, t=t: self._discard(h, t, "expired"))
                        for t in TIERS}
-        self._data: dict = {t: {} for t in TIERS}      # disk: hash -> file path
+        self._data: dict = {t: {} for t in TIERS}      # disk: hash -> slot of the zarr array
         self._crc: dict[int, int] = {}
         self._lock = threading.RLock()
         self.disk_path = None
@@ -117,6 +120,13 @@ class PrefixStore:
             os.makedirs(disk_dir, exist_ok=True)
             self.disk_path = tempfile.mkdtemp(prefix="pdjax-prefix-", dir=disk_dir)
             self._finalizer = weakref.finalize(self, shutil.rmtree, self.disk_path, True)
+            shape = [disk_blocks + 1, self.num_layers, self.block_size, self.width]
+            self._disk = ts.open({"driver": "zarr3", "kvstore": {"driver": "file",
+                                                                "path": os.path.join(self.disk_path, "blocks.zarr")},
+                                  "context": {"cache_pool": {"total_bytes_limit": 0}}},
+                                 create=True, dtype=ts.dtype(self.dtype.name), shape=shape,
+                                 chunk_layout=ts.ChunkLayout(write_chunk_shape=[1] + shape[1:])).result()
+            self._free_slots = list(range(disk_blocks, -1, -1))
         self.stats = {"lookups": 0, "hit_blocks": 0, "miss_blocks": 0, "hit_tokens": 0,
                       "miss_tokens": 0, "inserted_blocks": 0, "loads": 0,
                       "blocks_loaded": dict.fromkeys(TIERS, 0),
@@ -288,7 +298,7 @@ class PrefixStore:
             elif tier == "host":
                 self._data[tier][h] = block
             else:
-                self._data[tier][h] = self._write_file(h, block)
+                self._data[tier][h] = self._write_disk(block)
             ix.insert([h], now, retention, expiry=expiry)   # may demote the LRU block
             return
         self._crc.pop(h, None)
@@ -329,28 +339,23 @@ class PrefixStore:
     def _read_data(self, data, tier: str) -> Optional[np.ndarray]:
         if tier != "disk":
             return np.asarray(data)
-        shape = (self.num_layers, self.block_size, self.width)
         try:
-            raw = np.load(data, allow_pickle=False)
-            return raw.view(self.dtype).reshape(shape)
-        except (OSError, ValueError, EOFError):
+            return np.asarray(self._disk[data].read().result(), self.dtype)
+        except (OSError, ValueError):
             return None
 
-    def _write_file(self, h: int, block: np.ndarray) -> str:
-        path = os.path.join(self.disk_path, f"{h:032x}.npy")
-        fd, tmp = tempfile.mkstemp(dir=self.disk_path, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, np.ascontiguousarray(block).reshape(-1).view(np.uint8), allow_pickle=False)
-        os.replace(tmp, path)                        # atomic: the old or the new file, never half
-        return path
+    def _write_disk(self, block: np.ndarray) -> int:
+        slot = self._free_slots.pop()
+        self._disk[slot].write(np.ascontiguousarray(block, self.dtype)).result()
+        return slot
 
-    @staticmethod
-    def _delete(data, tier: str) -> None:
+    def _delete(self, data, tier: str) -> None:
         if tier == "disk":
-            try:
-                os.remove(data)
-            except FileNotFoundError:
-                pass
+            self._free_slots.append(data)
+
+    def _chunk_file(self, slot: int) -> str:
+        """The file holding disk slot ``slot`` (zarr3 default chunk keys: c/slot/0/0/0)."""
+        return os.path.join(self.disk_path, "blocks.zarr", "c", str(slot), "0", "0", "0")
 
     # ---- test hook -----------------------------------------------------------------------
     def _corrupt(self, block_hash: int) -> str:
@@ -361,7 +366,7 @@ class PrefixStore:
                 raise KeyError(f"block {block_hash:032x} is not stored")
             data = self._data[tier][block_hash]
             if tier == "disk":
-                with open(data, "r+b") as f:
+                with open(self._chunk_file(data), "r+b") as f:
                     f.seek(-1, os.SEEK_END)
                     b = f.read(1)
                     f.seek(-1, os.SEEK_END)

@@ -62,11 +62,14 @@ def test_round_trip_from_each_tier_with_demotion(cfg, tmp_path):
         for l in range(cfg.num_hidden_layers):
             np.testing.assert_array_equal(got[l], rows[i][l][:2 * BS])
         assert store.stats["bytes_loaded"][tier] - before[tier] == 2 * store.block_bytes
-    files = os.listdir(store.disk_path)
-    assert len(files) == 2 and all(f.endswith(".npy") for f in files)     # no tmp files left
+    # the disk tier is a zarr3 array, one chunk file per block slot (2 blocks + 1 spare slot)
+    chunks = os.path.join(store.disk_path, "blocks.zarr", "c")
+    assert os.path.exists(os.path.join(store.disk_path, "blocks.zarr", "zarr.json"))
+    assert len(os.listdir(chunks)) == 2
+    assert os.path.getsize(store._chunk_file(store._data["disk"][store.hashes(prompts[0])[0]])) == store.block_bytes
     store.insert(prompts[3], rows[3])        # disk is full: its LRU chain (prompt 0) is dropped
     assert store.lookup(prompts[0]) == 0 and store.stats["evictions"]["disk"] >= 1
-    assert len(os.listdir(store.disk_path)) == 2
+    assert len(store._data["disk"]) == 2 and len(store._free_slots) == 1     # 3 slots: 2 live, 1 spare
     path = store.disk_path
     store.close()
     assert not os.path.exists(path)
