@@ -27,6 +27,7 @@ decodes.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import queue
 import threading
@@ -40,7 +41,7 @@ from pdjax.disagg.decode import DecodePool, Reservation
 from pdjax.disagg.prefill import PrefillPool, chunk_plan
 from pdjax.disagg.prefix_store import CorruptBlockError, MissingBlockError, PrefixStore
 from pdjax.disagg.request import Clock, Request, RequestError, SamplingParams, validate_request
-from pdjax.disagg.scheduling import FifoLock, Signals, largest_chunk, measure_link_bandwidth
+from pdjax.disagg.scheduling import FifoLock, Signals, largest_chunk, measure_link_bandwidth, whole_buckets
 
 
 class _Handoff:
@@ -112,13 +113,15 @@ class PDEngine:
             self.calibrate_prefill()
         return self.prefill_cost
 
-    def _chunker(self):
-        """What PrefillPool.run takes as ``chunk``: None, a fixed size, or chunk(position)."""
+    def _chunker(self, pool: PrefillPool | None = None):
+        """What PrefillPool.run takes as ``chunk``: None, a fixed size, or chunk(position):
+        the largest chunk within the budget, rounded down to whole padding buckets of the
+        pool (the pool runs bucket(q) rows; at least one bucket)."""
         if self.prefill_budget_s is None:
             return self.prefill_chunk_tokens
-        cost, budget = self._cost_model(), self.prefill_budget_s
+        cost, budget, size = self._cost_model(), self.prefill_budget_s, (pool or self.prefill).size
         cap = self.prefill_chunk_tokens or self.max_context
-        return lambda pos: largest_chunk(cost, pos, budget, cap)
+        return lambda pos: whole_buckets(largest_chunk(cost, pos, budget, cap), size)
 
     def predicted_prefill_s(self, prompt_tokens: int, cached_tokens: int = 0) -> float:
         """Predicted seconds to prefill a prompt (chunk by chunk when chunking is on)."""
@@ -151,21 +154,25 @@ class PDEngine:
         self.calibration_samples = samples
         return self.prefill_cost
 
-    def _dispatch_loop(self, todo, worker_queues, clock, stop, inbox):
-        """Release each request at its arrival and give it to the worker predicted to finish it
-        first: predicted free time of each worker + the request's predicted cost."""
+    def _dispatch_loop(self, arrivals, retries, worker_queues, clock, stop, inbox):
+        """Release each request at its arrival (``arrivals``: in arrival order; ``retries``:
+        requests to prefill again, released at once) and give it to the worker predicted to
+        finish it first: predicted free time of each worker + the request's predicted cost."""
         try:
             free_at = [0.0] * len(worker_queues)
+            upcoming = collections.deque(arrivals)
             while not stop.is_set():
                 try:
-                    req = todo.get(timeout=0.05)
+                    req = retries.get_nowait()
                 except queue.Empty:
-                    continue
-                while clock.now() < req.arrival and not stop.is_set():   # not arrived yet
-                    stop.wait(min(0.01, req.arrival - clock.now()))
+                    if not upcoming or clock.now() < upcoming[0].arrival:
+                        wait = 0.05 if not upcoming else min(0.01, upcoming[0].arrival - clock.now())
+                        stop.wait(max(wait, 0.0))
+                        continue
+                    req = upcoming.popleft()
                 w, cost = 0, None
                 if len(worker_queues) > 1:
-                    hit = self.store.lookup(req.prompt) if self.store is not None else 0
+                    hit = self.store.lookup(req.prompt, peek=True) if self.store is not None else 0
                     cost = self.predicted_prefill_s(len(req.prompt), hit)
                     now = clock.now()
                     w = min(range(len(free_at)), key=lambda i: (max(free_at[i], now) + cost, i))
@@ -183,18 +190,20 @@ class PDEngine:
 
     def _prefill_requests(self, pool: PrefillPool, jobs: "queue.Queue", inbox: "queue.Queue", clock: Clock,
                           stop: threading.Event):
-        chunk = self._chunker()
+        chunk = self._chunker(pool)
         while not stop.is_set():
             try:
                 req = jobs.get(timeout=0.05)
             except queue.Empty:
                 continue
             res = None
+            self._signals.blocked += 1                # queued until the decode side has room
             while res is None and not stop.is_set():
                 res = self.decode.reserve(req)
                 if res is None:                       # decode pool full: back-pressure
                     with self.decode.lock:
                         self.decode.lock.wait(timeout=0.05)
+            self._signals.blocked -= 1
             if res is None:
                 return
             h = _Handoff(res, clock.now())
@@ -213,12 +222,15 @@ class PDEngine:
             try:
                 prefix = self._cached_prefix(req, pool)
                 tok, rows = pool.run(req, push, prefix, chunk=chunk, step_lock=self._pool_lock)
-                if self.store is not None:
-                    self.store.insert(req.prompt, rows, retention=req.retention)
             except Exception as e:  # noqa: BLE001 - any handoff/prefill failure retries the request
                 inbox.put(("failed", h, e))
                 continue
             inbox.put(("ready", h, tok))
+            if self.store is not None:                # after ready: a store failure costs a cache entry only
+                try:
+                    self.store.insert(req.prompt, rows, retention=req.retention)
+                except Exception as e:  # noqa: BLE001
+                    req.prefix_errors.append(f"insert failed: {type(e).__name__}: {e}")
 
     def _cached_prefix(self, req, pool: PrefillPool):
         """(P, layer-by-layer loader) for the request's cached prefix, or None. A block that
@@ -245,7 +257,6 @@ class PDEngine:
         ``max_new_tokens`` and ``sampling`` may be per-request lists; ``arrival_times``
         (seconds from the call, non-decreasing) releases each request to the prefill queue
         at its time instead of all at once; ``on_token(request_index, token)`` streams."""
-        clock = Clock()
         n = len(prompts)
         samplings = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * n
         mnt = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * n
@@ -261,20 +272,22 @@ class PDEngine:
             except RequestError as e:
                 r.error = e
             reqs.append(r)
-        todo, inbox = queue.Queue(), queue.Queue()
-        for r in reqs:
-            if r.error is None:
-                todo.put(r)
+        if self.prefill_cost is None and (self.prefill_budget_s is not None or len(self.prefills) > 1):
+            self.calibrate_prefill()                  # once, before any thread needs it
+        clock = Clock()                               # the served clock starts now
+        retries, inbox = queue.Queue(), queue.Queue()
         stop = threading.Event()
         jobs = [queue.Queue() for _ in self.prefills]
-        threads = [threading.Thread(target=self._dispatch_loop, args=(todo, jobs, clock, stop, inbox), daemon=True)]
+        self._signals = signals = Signals(self, jobs, clock)
+        arrivals = [r for r in reqs if r.error is None]
+        threads = [threading.Thread(target=self._dispatch_loop, args=(arrivals, retries, jobs, clock, stop, inbox),
+                                    daemon=True)]
         threads += [threading.Thread(target=self._prefill_loop, args=(pool, q, inbox, clock, stop), daemon=True)
                     for pool, q in zip(self.prefills, jobs)]
         for t in threads:
             t.start()
-        signals = Signals(self, todo, jobs, clock)
         try:
-            self._decode_loop(reqs, todo, inbox, clock, on_token, signals)
+            self._decode_loop(reqs, retries, inbox, clock, on_token, signals)
         finally:
             stop.set()
             for t in threads:
@@ -296,7 +309,7 @@ class PDEngine:
             return True
         return False
 
-    def _decode_loop(self, reqs, todo, inbox, clock, on_token, signals):
+    def _decode_loop(self, reqs, retries, inbox, clock, on_token, signals):
         remaining = sum(r.error is None for r in reqs)
         inflight: set = set()
 
@@ -310,7 +323,7 @@ class PDEngine:
                                          f"{req.prefill_attempts} times: {why}")
                 remaining -= 1
             else:
-                todo.put(req)                      # prefill it again
+                retries.put(req)                   # prefill it again, ahead of later arrivals
 
         while remaining:
             watching = self.handoff_timeout_s is not None and inflight

@@ -123,7 +123,8 @@ class PrefixStore:
             shape = [disk_blocks + 1, self.num_layers, self.block_size, self.width]
             self._disk = ts.open({"driver": "zarr3", "kvstore": {"driver": "file",
                                                                 "path": os.path.join(self.disk_path, "blocks.zarr")},
-                                  "context": {"cache_pool": {"total_bytes_limit": 0}}},
+                                  "context": {"cache_pool": {"total_bytes_limit": 0}},
+                                  "store_data_equal_to_fill_value": True},      # every block a file
                                  create=True, dtype=ts.dtype(self.dtype.name), shape=shape,
                                  chunk_layout=ts.ChunkLayout(write_chunk_shape=[1] + shape[1:])).result()
             self._free_slots = list(range(disk_blocks, -1, -1))
@@ -147,10 +148,11 @@ class PrefixStore:
     def __len__(self) -> int:
         return sum(len(ix) for ix in self._index.values())
 
-    def lookup(self, tokens: Sequence[int]) -> int:
+    def lookup(self, tokens: Sequence[int], peek: bool = False) -> int:
         """Number of leading tokens of ``tokens`` whose KV is stored: a multiple of
         ``block_size``, never covering the last token (a prefill computes at least one).
-        Metadata only: no block is read; the hit blocks become most recently used."""
+        Metadata only: no block is read; the hit blocks become most recently used.
+        ``peek``: leave LRU order and the statistics alone (e.g. a scheduler's estimate)."""
         with self._lock:
             now = self.clock()
             usable = max(len(tokens) - 1, 0) // self.block_size
@@ -161,6 +163,8 @@ class PrefixStore:
                 if tier is None:
                     break
                 n += 1
+            if peek:
+                return n * self.block_size
             self._touch(hs[:n])
             s = self.stats
             s["lookups"] += 1
@@ -346,7 +350,11 @@ class PrefixStore:
 
     def _write_disk(self, block: np.ndarray) -> int:
         slot = self._free_slots.pop()
-        self._disk[slot].write(np.ascontiguousarray(block, self.dtype)).result()
+        try:
+            self._disk[slot].write(np.ascontiguousarray(block, self.dtype)).result()
+        except BaseException:
+            self._free_slots.append(slot)
+            raise
         return slot
 
     def _delete(self, data, tier: str) -> None:

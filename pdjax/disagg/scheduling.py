@@ -52,6 +52,22 @@ def largest_chunk(cost, c: int, budget_s: float, q_max: int) -> int:
     return max(1, lo)
 
 
+def whole_buckets(q: int, size: int) -> int:
+    """The largest chunk v <= max(q, smallest bucket) whose padded size bucket(v, size) fits in
+    it: a prefill pool runs bucket(v) rows, so a chunk chosen for a time budget must not be
+    padded past it (and a chunk smaller than the smallest bucket costs a whole bucket anyway)."""
+    from pdjax.disagg.prefill import bucket
+    room = max(q, bucket(1, size))
+    lo, hi = 1, room
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if bucket(mid, size) <= room:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo if bucket(lo, size) <= room else q
+
+
 def measure_link_bandwidth(src, dst, nbytes: int = 8 << 20, repeats: int = 3) -> float:
     """Bytes per second of a device_put from device ``src`` to device ``dst`` (best of
     ``repeats``, after a warm-up copy)."""
@@ -67,14 +83,15 @@ def measure_link_bandwidth(src, dst, nbytes: int = 8 << 20, repeats: int = 3) ->
 
 class Signals:
     """The three DOPD signals, sampled every ``interval`` seconds of the decode loop:
-    prefill queue depth (waiting for dispatch or for a prefill worker), P95 decode KV-wait
+    prefill queue depth (arrived requests waiting for a prefill worker or for decode room), P95 decode KV-wait
     of the requests admitted in the interval, and KV link utilisation (bytes that arrived in
     the interval over interval x the measured link bandwidth)."""
 
     interval = 0.1
 
-    def __init__(self, engine, todo, jobs, clock):
-        self.engine, self.todo, self.jobs, self.clock = engine, todo, jobs, clock
+    def __init__(self, engine, jobs, clock):
+        self.engine, self.jobs, self.clock = engine, jobs, clock
+        self.blocked = 0              # prefill workers holding a request the decode side has no room for
         self.rows: list[dict] = []
         self.bytes = 0
         self.kv_waits: list[float] = []
@@ -85,7 +102,7 @@ class Signals:
         if t - self.t_last < self.interval:
             return
         bw = self.engine.link_bandwidth_Bps
-        self.rows.append({"t": t, "prefill_queue_depth": self.todo.qsize() + sum(q.qsize() for q in self.jobs),
+        self.rows.append({"t": t, "prefill_queue_depth": sum(q.qsize() for q in self.jobs) + self.blocked,
                           "decode_kv_wait_p95_s": float(np.percentile(self.kv_waits, 95)) if self.kv_waits else 0.0,
                           "link_utilisation": self.bytes / ((t - self.t_last) * bw) if bw else 0.0})
         self.bytes, self.kv_waits, self.t_last = 0, [], t

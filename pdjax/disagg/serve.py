@@ -14,16 +14,19 @@ and launcher, ``TwoProcessServer`` / ``launch_two_process`` (re-exported here), 
   ``generate`` is validated, its blocks reserved (back-pressure when full), then sent to
   prefill as attempt k; the current attempt's layers are pulled onto the owning rank and
   written into the paged cache; on ``ready`` the request joins the batch. An attempt without
-  progress for ``--handoff-timeout`` s (no layer since the reservation or the last one; before
-  the first, any prefill message counts, prefill working in order) is abandoned: reservation
-  cancelled, request prefilled again (``--max-prefill-attempts`` in all). The abandoned
-  attempt's messages are ignored, its layers never pulled (the offers expire, KVSender ttl).
+  progress for ``--handoff-timeout`` s (counted from its ``started``, then from each layer; an
+  attempt still queued behind others at prefill has no deadline) is abandoned: reservation
+  cancelled, ``cancel`` sent (prefill drops it if queued, stops it at its next layer if
+  running), request prefilled again, retries ahead of new requests (``--max-prefill-attempts``
+  in all). The abandoned attempt's messages are ignored, its layers never pulled (the offers
+  expire, KVSender ttl).
 
 Control messages (JSON, :class:`~pdjax.disagg.transfer.Control`):
 client->decode ``hello{prefill}``, ``generate{request, prompt, max_new_tokens, sampling,
 stop_tokens[, handoff_timeout_s, prefix_cache]}``, ``stats``, ``shutdown``; decode->prefill
-``prefill{request, attempt, prompt, sampling, prefix_cache}``; prefill->decode
-``hello{transfer_address}``, ``layer{request, attempt, layer, start, uuid, shape, dtype,
+``prefill{request, attempt, prompt, sampling, prefix_cache}``, ``cancel{request, attempt}``;
+prefill->decode ``hello{transfer_address}``, ``started{request, attempt}``,
+``layer{request, attempt, layer, start, uuid, shape, dtype,
 nbytes}``, ``ready{request, attempt, first_token, prefix_hit_tokens, prefix_errors}``,
 ``failed{request, attempt, error}``; decode->client ``token{request, token}``,
 ``done{request, tokens | error, kv_bytes, prefill_attempts, handoff_timeouts,
@@ -83,6 +86,7 @@ class PrefillServer:
         self.listener = listen()
         self.jobs: queue.Queue = queue.Queue()
         self.faults = PrefillFaults()           # test hooks, armed by "fault" messages
+        self.cancelled: set = set()             # (request, attempt) abandoned by decode
 
     def serve_forever(self) -> None:
         announce_ready("prefill", self.listener, self.sender.address)
@@ -110,6 +114,9 @@ class PrefillServer:
                 if msg["op"] == "fault":
                     ctl.send(self.faults.arm(msg, self.store))
                     continue
+                if msg["op"] == "cancel":             # at once: the attempt may be queued or running
+                    self.cancelled.add((msg["request"], msg["attempt"]))
+                    continue
                 if msg["op"] == "prefill":
                     self.faults.notice(msg["prompt"])
                 self.jobs.put((ctl, None if msg["op"] == "shutdown" else msg))
@@ -133,6 +140,10 @@ class PrefillServer:
 
     def _prefill(self, ctl: Control, msg: dict) -> None:
         tag = {"request": msg["request"], "attempt": msg.get("attempt", 0)}
+        key = (tag["request"], tag["attempt"])
+        if key in self.cancelled:                 # abandoned while queued: never started
+            self.cancelled.discard(key)
+            return
         req = Request(msg["request"], [int(t) for t in msg["prompt"]], 1, SamplingParams(**msg["sampling"]))
         use_store = self.store is not None and msg.get("prefix_cache", True)
         stall = self.faults.take_stall(req.prompt)
@@ -140,14 +151,20 @@ class PrefillServer:
         def push(layer, rows, start):
             if stall is not None and layer == stall[0]:
                 stall[2].wait(stall[1])
+            if key in self.cancelled:             # abandoned while running: stop here
+                raise _Cancelled()
             ctl.send({"op": "layer", **tag, "layer": layer, "start": start, **self.sender.offer(rows)})
         try:
+            ctl.send({"op": "started", **tag})    # decode's deadline for this attempt starts now
             prefix = self._cached_prefix(req) if use_store else None
             tok, rows = self.pool.run(req, push, prefix)
             ctl.send({"op": "ready", **tag, "first_token": tok, "prefix_hit_tokens": req.prefix_hit_tokens,
                       "prefix_errors": req.prefix_errors})
         except OSError:                 # the decode process went away
             ctl.closed = True
+            return
+        except _Cancelled:
+            self.cancelled.discard(key)
             return
         except Exception as e:  # noqa: BLE001 - reported to decode, which retries the request
             try:
@@ -162,16 +179,21 @@ class PrefillServer:
                 traceback.print_exc()
 
 
+class _Cancelled(Exception):
+    """An attempt decode abandoned: stop computing it, send nothing more."""
+
+
 # ---- decode role ---------------------------------------------------------------------------
 class _Handoff:
     """One prefill attempt in flight: its reservation and the time of its last progress."""
-    def __init__(self, res, attempt: int, timeout_s: float, now: float):
+    def __init__(self, res, attempt: int, timeout_s: float):
         self.res, self.attempt, self.timeout_s = res, attempt, timeout_s
-        self.last, self.layers = now, 0
+        self.last, self.layers = None, 0          # None: queued at prefill, not started
 
-    def deadline(self, last_heard: float) -> float:
-        # before its first layer, any message from the (in-order) prefill process is progress
-        return (self.last if self.layers else max(self.last, last_heard)) + self.timeout_s
+    def deadline(self) -> float:
+        """No deadline while queued behind other attempts; then timeout_s after the start
+        and after each layer."""
+        return math.inf if self.last is None else self.last + self.timeout_s
 
 
 class DecodeServer:
@@ -189,7 +211,6 @@ class DecodeServer:
         self.handoff_timeout_s = handoff_timeout_s
         self.receiver: KVReceiver | None = None
         self.handoffs: dict = {}                       # request -> _Handoff (KV arriving)
-        self.last_heard = time.monotonic()             # the last message from the prefill process
         self.counters = {"handoff_timeouts": 0, "stale_messages": 0}
 
     def serve_forever(self) -> None:
@@ -224,7 +245,7 @@ class DecodeServer:
         ``ready``. An abandoned attempt's layer is not pulled (its offer expires)."""
         try:
             while (msg := prefill.recv()) is not None:
-                msg["t"] = self.last_heard = time.monotonic()
+                msg["t"] = time.monotonic()
                 if msg["op"] == "layer" and (h := self._current(msg)) is not None:
                     msg["rows"] = self.receiver.pull(msg, self.pool.target_device(h.res))
                 self.inbox.put(("prefill", msg))
@@ -253,6 +274,8 @@ class DecodeServer:
                 return True
             return False
 
+        retried = []
+
         def retry(h: _Handoff, why: str) -> None:
             pool.cancel(h.res)
             req = h.res.request
@@ -261,12 +284,12 @@ class DecodeServer:
                 finish(req)
             else:
                 req.kv_bytes_sent = 0
-                waiting.appendleft(req)
+                retried.append(req)
 
         while True:
             wait = 0.0
             if not pool.active:
-                nxt = min((h.deadline(self.last_heard) for h in self.handoffs.values()), default=math.inf)
+                nxt = min((h.deadline() for h in self.handoffs.values()), default=math.inf)
                 wait = min(1.0, max(0.01, nxt - time.monotonic()))
             msgs = []
             try:
@@ -300,12 +323,15 @@ class DecodeServer:
                     except RequestError as e:
                         req.error = e
                         finish(req)
-                elif op in ("layer", "ready", "failed"):
+                elif op in ("started", "layer", "ready", "failed"):
                     h = self._current(msg)
                     if h is None:                      # an abandoned attempt's (or unknown)
                         self.counters["stale_messages"] += 1
                         continue
                     req = h.res.request
+                    if op == "started":
+                        h.last = msg["t"]
+                        continue
                     if op == "layer":
                         pool.receive_layer(h.res, msg["layer"], msg["rows"], msg.get("start", 0))
                         req.kv_bytes_sent += msg["nbytes"]
@@ -323,11 +349,14 @@ class DecodeServer:
                         pool.admit(h.res, msg["first_token"])
             now = time.monotonic()
             for idx, h in list(self.handoffs.items()):  # attempts past their deadline: re-prefill
-                if now > h.deadline(self.last_heard):
+                if now > h.deadline():
                     del self.handoffs[idx]
                     self.counters["handoff_timeouts"] += 1
                     timeouts[idx] += 1
+                    prefill.send({"op": "cancel", "request": idx, "attempt": h.attempt})
                     retry(h, f"handoff of attempt {h.attempt} made no progress for {h.timeout_s} s")
+            waiting.extendleft(reversed(retried))     # retries first, in their order
+            retried.clear()
             while waiting:                             # pre-allocate, then ask for the prefill
                 res = pool.reserve(waiting[0])
                 if res is None:                        # full: back-pressure until a release
@@ -335,7 +364,7 @@ class DecodeServer:
                 req = waiting.popleft()
                 req.prefill_attempts += 1
                 t, use_store = timeout_of[req.index]
-                self.handoffs[req.index] = _Handoff(res, req.prefill_attempts, t, time.monotonic())
+                self.handoffs[req.index] = _Handoff(res, req.prefill_attempts, t)
                 prefill.send({"op": "prefill", "request": req.index, "attempt": req.prefill_attempts,
                               "prompt": req.prompt, "prefix_cache": use_store,
                               "sampling": dataclasses.asdict(req.sampling)})

@@ -179,19 +179,21 @@ def ep_dispatch(p, cfg: ModelConfig, x_ND, ep: ExpertParallel, valid_N=None):
         weights, idx = moe_lib.mask_routing(*moe_lib.gate(route, cfg, x), valid, cfg.n_routed_experts)
         phys = _physical_ids(idx, route, ep).reshape(A)
         dest, loc = phys // pl.E_loc, phys % pl.E_loc
-        order = jnp.argsort(dest, stable=True)
-        counts = jnp.bincount(dest, length=X)
+        real = jnp.repeat(valid, pl.k)
+        queue = jnp.where(real, dest, X)                  # padding queues nowhere: never sent
+        order = jnp.argsort(queue, stable=True)
+        counts = jnp.bincount(queue, length=X + 1)
         starts = jnp.cumsum(counts) - counts
         pos = jnp.zeros((A,), jnp.int32).at[order].set(
-            jnp.arange(A, dtype=jnp.int32) - starts[dest[order]].astype(jnp.int32))
-        keep = pos < C
-        slot = jnp.where(keep, dest * C + pos, X * C).astype(jnp.int32)   # X*C: dropped
+            jnp.arange(A, dtype=jnp.int32) - starts[queue[order]].astype(jnp.int32))
+        keep = real & (pos < C)                           # capacity goes to real tokens only
+        slot = jnp.where(keep, dest * C + pos, X * C).astype(jnp.int32)   # X*C: not sent
         token = jnp.arange(A) // pl.k
         send_x = jnp.zeros((X * C, D), x.dtype).at[slot].set(x[token], mode="drop")
         send_e = jnp.full((X * C,), -1, jnp.int32).at[slot].set(loc, mode="drop")
         recv_x = jax.lax.all_to_all(send_x.reshape(X, C, D), axis, 0, 0).reshape(X * C, D)
         recv_e = jax.lax.all_to_all(send_e.reshape(X, C), axis, 0, 0).reshape(X * C)
-        lost = (~keep & jnp.repeat(valid, pl.k)).sum(dtype=jnp.int32)
+        lost = (~keep & real).sum(dtype=jnp.int32)
         dropped = jax.lax.psum(lost, tuple(ep.mesh.axis_names))
         return (recv_x, recv_e, slot, weights * keep.reshape(pl.n, pl.k)), dropped
 

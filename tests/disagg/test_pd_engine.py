@@ -40,7 +40,7 @@ def test_pd_equals_generate_and_sends_exact_latent_bytes(tiny_cfg, pd, prompts, 
 def test_colocated_equals_generate_with_and_without_prefix_hits(tiny_cfg, tiny_params, prompts, expected):
     """The prefix cache on: the first run computes every prefix but one (the second prompt of
     the shared 40-token prefix hits two blocks), the second hits every full block."""
-    col = ColocatedEngine(tiny_params, tiny_cfg, devices=jax.devices()[:4], mesh={"data": 2, "expert": 2},
+    col = ColocatedEngine(tiny_params, tiny_cfg, devices=jax.devices()[:4], mesh={"expert": 4},
                           max_decode_slots=4, max_context=256, prefix_cache=True)
     assert col.generate(prompts, max_new_tokens=5) == expected
     assert col.stats["kv_bytes_sent"] == 0

@@ -152,21 +152,22 @@ def test_decode_killed_mid_request_is_restarted_and_reissued(server, prompts, ex
 
 
 def test_stalled_handoff_times_out_and_is_prefilled_again(server, tiny_cfg, prompts, expected):
-    """The last request's first attempt stalls before layer 1 is announced (until decode sends
-    it again, at most 30 s); its deadline (2 s without progress) expires: the reservation is
-    cancelled, the request prefilled again (the late layers and ready of the stalled attempt
-    are ignored, never pulled); tokens identical, the other requests untouched."""
-    slow = len(prompts) - 1
+    """One request's first attempt stalls before layer 1 is announced (until decode sends it
+    again, at most 30 s); its deadline (2 s without progress) expires: the reservation is
+    cancelled, ``cancel`` stops the stalled attempt before it sends anything more, and the
+    request is prefilled again. The request queued behind it at prefill (same 2 s deadline)
+    has not started, so it does not time out. Tokens identical, nothing else retried."""
+    slow = len(prompts) - 2
     before = dict(server.stats.get("link", {}))
     server.inject_prefill_fault(prompt=prompts[slow], stall_layer=1, seconds=30)
     out = server.generate(prompts, max_new_tokens=NEW, timeout=90,
-                          handoff_timeout_s=[None] * slow + [2.0])
+                          handoff_timeout_s=[None] * slow + [2.0, 2.0])
     assert out == expected
     stats = server.stats["requests"]
-    assert [r["prefill_attempts"] for r in stats] == [1] * slow + [2]
-    assert [r["handoff_timeouts"] for r in stats] == [0] * slow + [1]
+    assert [r["prefill_attempts"] for r in stats] == [1] * slow + [2, 1]
+    assert [r["handoff_timeouts"] for r in stats] == [0] * slow + [1, 0]
     assert stats[slow]["kv_bytes_received"] == len(prompts[slow]) * _row_bytes(tiny_cfg)
     link = server.stats["link"]       # counters of the decode process that served `before` too
     assert link["handoff_timeouts"] - before.get("handoff_timeouts", 0) == 1
-    # ignored: layers 1..L-1 and the ready of the abandoned attempt
-    assert link["stale_messages"] - before.get("stale_messages", 0) == tiny_cfg.num_hidden_layers
+    # the abandoned attempt was cancelled before it sent layer 1: no late message at all
+    assert link["stale_messages"] - before.get("stale_messages", 0) == 0

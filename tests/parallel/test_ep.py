@@ -181,3 +181,21 @@ def test_padding_tokens_do_not_count_as_drops(tiny_cfg, tiny_params, dispatch):
         kept = valid
     assert kept.any()
     np.testing.assert_allclose(np.asarray(y)[kept], np.asarray(want)[kept], atol=TOL, rtol=0)
+
+
+def test_padding_never_takes_capacity_from_real_tokens(tiny_cfg, tiny_params):
+    """Real tokens keep exactly the same assignments (and outputs) whether the padding on
+    their device comes before or after them."""
+    cfg = tiny_cfg
+    mesh = make_mesh({"data": 1, "expert": 8})
+    p = tiny_params["layers"][1]["moe"]
+    x = jax.random.normal(jax.random.key(4), (32, cfg.hidden_size))
+    ep = ExpertParallel(mesh, capacity_factor=1.0)
+    run = jax.jit(lambda p, x, v: ep_moe(p, cfg, x, ep, v))
+    first = np.tile([False, False, True, True], 8)                    # per device: padding, then real
+    last = np.tile([True, True, False, False], 8)
+    perm = np.concatenate([np.r_[4 * d + 2, 4 * d + 3, 4 * d, 4 * d + 1] for d in range(8)])
+    y1, d1 = run(p, x, jnp.asarray(first))
+    y2, d2 = run(p, x[perm], jnp.asarray(last))
+    assert int(d1) == int(d2)
+    np.testing.assert_array_equal(np.asarray(y1)[first], np.asarray(y2)[last])
