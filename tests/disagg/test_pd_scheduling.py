@@ -68,6 +68,25 @@ def test_cost_model_chunked_prefill(tiny_cfg, chunked, pd_prompts, pd_expected):
     assert chunked.stats["kv_bytes_sent"] == _latent_bytes(tiny_cfg, pd_prompts)
 
 
+def test_retry_does_not_wait_for_later_arrivals(chunked, pd_prompts, pd_expected):
+    """Request 0's handoff fails once; its retry is released at once, not behind request 1,
+    which arrives 2.5 s later (its TTFT stays far below that)."""
+    failed = []
+
+    def flaky(req, layer):
+        if req.index == 0 and layer == 1 and not failed:
+            failed.append(req.index)
+            raise ConnectionError("link dropped")
+    chunked.fault_hooks["handoff"] = flaky
+    try:
+        out = chunked.generate(pd_prompts[:2], max_new_tokens=5, arrival_times=[0.0, 2.5])
+    finally:
+        chunked.fault_hooks.clear()
+    assert out == pd_expected[:2]
+    r0 = chunked.stats["requests"][0]
+    assert r0["prefill_attempts"] == 2 and r0["ttft"] < 1.5, r0["ttft"]
+
+
 def test_prefill_workers_balance_by_predicted_cost(tiny_cfg, tiny_params, pd_prompts, pd_expected):
     """cost = 1 s per token (predicted only): all requests arrive at once and each goes to the
     worker predicted to finish it first. Prompt lengths 1, 7, 33, 2, 45, 61 -> predicted free
