@@ -213,6 +213,49 @@ def routed_experts(p, x_ND, weights_Nk, idx_Nk, impl: str | None = None):
     return jnp.einsum("NkD,Nk->ND", y_NkD, weights_Nk).astype(x_ND.dtype)
 
 
+def experts_for_rows(p, rows_RD, ids_R, expected_rows: int, impl: str | None = None):
+    """Each row through its own expert: ``ids_R`` the expert of each row, -1 for an empty row
+    (output 0). For a buffer of R rows of which about ``expected_rows`` are real, e.g. an
+    expert-parallel receive buffer sized for the worst case (R = X*C rows, ~n*k real).
+
+    The bucketed back end sizes its [E, C, D] buckets by ``expected_rows``, not R, and leaves
+    the empty rows out, so the work follows the real rows (C = ceil(1.25 expected / E), then
+    2C, then the tiled path over all R rows when an expert gets more): exact whatever the
+    routing. Other back ends run over all R rows, the empty ones weighted 0 and spread."""
+    E = p["w_gate"].shape[0]
+    impl = impl or default_impl()
+    real = ids_R >= 0
+    weights, idx = mask_routing(jnp.ones((rows_RD.shape[0], 1), jnp.float32), ids_R[:, None], real, E)
+
+    def everything(_):
+        return routed_experts(p, rows_RD, weights, idx, "tiled" if impl == "bucketed" else impl)
+
+    if impl != "bucketed":
+        return everything(None)
+    key = jnp.where(real, ids_R, E)                        # empty rows sort last, counted nowhere
+    order = jnp.argsort(key, stable=True)
+    sorted_e = key[order]
+    counts = jnp.bincount(key, length=E).astype(jnp.int32)
+    x = rows_RD[order]
+    rank = jnp.arange(x.shape[0], dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[jnp.minimum(sorted_e, E - 1)]
+    C = bucket_rows(expected_rows, E)
+
+    def bucketed(C):
+        def run(_):
+            dest = jnp.where(sorted_e < E, sorted_e * C + rank, E * C)       # E*C: not computed
+            x_ECD = jnp.zeros((E * C, x.shape[1]), x.dtype).at[dest].set(x, mode="drop").reshape(E, C, -1)
+            h = jax.nn.silu(jnp.einsum("ECD,EDF->ECF", x_ECD, p["w_gate"])) * jnp.einsum(
+                "ECD,EDF->ECF", x_ECD, p["w_up"])
+            y_sorted = jnp.take(jnp.einsum("ECF,EFD->ECD", h, p["w_down"]).reshape(E * C, -1), dest, axis=0,
+                                mode="fill", fill_value=0)
+            return jnp.zeros_like(y_sorted).at[order].set(y_sorted, unique_indices=True).astype(rows_RD.dtype)
+        return run
+
+    busiest = counts.max()
+    return jax.lax.cond(busiest <= C, bucketed(C), lambda _: jax.lax.cond(
+        busiest <= 2 * C, bucketed(2 * C), everything, None), None)
+
+
 def moe(p, cfg: ModelConfig, x_ND, impl=None, valid_N=None):
     """Routed experts plus shared experts, for flattened tokens [N,D].
 

@@ -207,13 +207,13 @@ def ep_compute(p, state, ep: ExpertParallel):
     if ep.dispatch_impl != "padded":
         return ep_ragged.compute(p, state, ep, batch)
     experts = {key: p[key] for key in ("w_gate", "w_up", "w_down")}
-    recv_x, recv_e = state[:2]
+    recv_x, recv_e, _, weights = state
+    expected = weights.size // ep.batch_size          # n*k: what a rank receives on average
 
     def local(experts, rows, ids):
-        # empty capacity slots (id -1) are padding: weight 0, spread over the local experts
-        weights, idx = moe_lib.mask_routing(jnp.ones((rows.shape[0], 1), jnp.float32), ids[:, None], ids >= 0,
-                                            experts["w_gate"].shape[0])
-        return moe_lib.routed_experts(experts, rows, weights, idx, ep.impl)
+        # the receive buffer holds X*C rows, ~n*k of them real; empty slots (id -1) cost nothing
+        # in the bucketed back end, which sizes its buckets by the expected rows
+        return moe_lib.experts_for_rows(experts, rows, ids, expected, ep.impl)
 
     return jax.shard_map(local, mesh=ep.mesh, in_specs=({k: P(ep.expert_axis) for k in experts}, batch, batch),
                          out_specs=batch, check_vma=False)(experts, recv_x, recv_e)

@@ -162,3 +162,22 @@ def test_padding_tokens_are_spread_and_weightless(tiny_cfg, tiny_params):
     for impl in ("bucketed", "tiled"):
         got = moe.moe(p, cfg, x, impl, valid)
         np.testing.assert_allclose(got[:6], moe.moe(p, cfg, real, impl), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("skew", ["uniform", "one", "all"])
+def test_experts_for_rows_ignores_empty_rows_and_is_exact(skew):
+    """A receive buffer of 64 rows, 20 real: outputs equal each row through its expert, empty
+    rows give 0, whichever cond branch the routing picks (buckets for 20 rows: C = 4 per
+    expert of 8; 'one' puts 7 rows on expert 3 (the 2C bucket), 'all' all 20 on one (tiled))."""
+    E, D, F, R = 8, 12, 6, 64
+    r = np.random.RandomState(2)
+    p = jax.tree.map(jnp.asarray, _expert_params(E, D, F))
+    rows = r.randn(R, D).astype(np.float32)
+    ids = np.full(R, -1, np.int32)
+    real = r.choice(R, 20, replace=False)
+    ids[real] = {"uniform": np.arange(20) % E, "one": np.r_[[3] * 5, np.arange(15) % E],
+                 "all": np.full(20, 5)}[skew]
+    got = np.asarray(moe.experts_for_rows(p, jnp.asarray(rows), jnp.asarray(ids), 20, "bucketed"))
+    want = np.zeros_like(got)
+    want[real] = loop_reference(p, rows[real], np.ones((20, 1), np.float32), ids[real][:, None])
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
