@@ -99,6 +99,9 @@ def _expert_params(E, D, F, seed=0):
             for k, s in (("w_gate", (D, F)), ("w_up", (D, F)), ("w_down", (F, D)))}
 
 
+_tiled = jax.jit(lambda p, x, w, idx: moe.routed_experts(p, x, w, idx, impl="tiled"))   # one compile per shape
+
+
 @settings(max_examples=12, deadline=None)
 @given(n=st.integers(1, 40), k=st.integers(1, 4), skew=st.sampled_from(["uniform", "one", "two"]),
        seed=st.integers(0, 2**16))
@@ -115,8 +118,7 @@ def test_tiled_dispatch_exact_for_any_routing(n, k, skew, seed):
     else:
         idx = np.stack([np.arange(k) for _ in range(n)])
     w = r.rand(n, k).astype(np.float32)
-    got = moe.routed_experts(jax.tree.map(jnp.asarray, p), jnp.asarray(x), jnp.asarray(w),
-                             jnp.asarray(idx, jnp.int32), impl="tiled")
+    got = _tiled(jax.tree.map(jnp.asarray, p), jnp.asarray(x), jnp.asarray(w), jnp.asarray(idx, jnp.int32))
     np.testing.assert_allclose(got, loop_reference(p, x, w, idx), atol=1e-5, rtol=1e-5)
 
 
@@ -159,9 +161,10 @@ def test_padding_tokens_are_spread_and_weightless(tiny_cfg, tiny_params):
     masked = np.bincount(np.asarray(idx).reshape(-1), minlength=E)
     real_load = np.bincount(np.asarray(idx0[:6]).reshape(-1), minlength=E)
     assert (masked <= real_load + -(-26 * k // E)).all() and masked.max() < unmasked
+    run = jax.jit(moe.moe, static_argnames=("cfg", "impl"))
     for impl in ("bucketed", "tiled"):
-        got = moe.moe(p, cfg, x, impl, valid)
-        np.testing.assert_allclose(got[:6], moe.moe(p, cfg, real, impl), atol=1e-6, rtol=0)
+        got = run(p, cfg, x, impl, valid)
+        np.testing.assert_allclose(got[:6], run(p, cfg, real, impl), atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("skew", ["uniform", "one", "all"])
