@@ -248,7 +248,8 @@ class TwoProcessServer:
     # ---- requests ------------------------------------------------------------------------
     def generate(self, prompts, max_new_tokens=16, *, sampling: SamplingParams | list | None = None,
                  stop_tokens=(), on_token=None, timeout: float = 300.0, max_restarts: int = 3,
-                 handoff_timeout_s: float | list | None = None, use_prefix_cache: bool = True):
+                 handoff_timeout_s: float | list | None = None, use_prefix_cache: bool = True,
+                 retention: str = "chat"):
         """Serve ``prompts`` through the two processes; ``on_token(request_index, token)``
         streams (each token once, also across a decode restart). A decode process that dies
         is restarted (at most ``max_restarts`` times) and the unfinished requests re-issued;
@@ -256,7 +257,8 @@ class TwoProcessServer:
 
         ``max_new_tokens``, ``sampling`` and ``handoff_timeout_s`` may be per-request lists;
         ``handoff_timeout_s`` None = the decode process's ``--handoff-timeout``.
-        ``use_prefix_cache=False``: these requests neither read nor fill the prefix store."""
+        ``use_prefix_cache=False``: these requests neither read nor fill the prefix store;
+        ``retention``: the retention class their prefix blocks are stored under."""
         n = len(prompts)
         samplings = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * n
         mnt = _per_request(max_new_tokens, n)
@@ -268,7 +270,8 @@ class TwoProcessServer:
             rid, self._next_id = self._next_id, self._next_id + 1
             msg = {"op": "generate", "request": rid, "prompt": [int(t) for t in p], "max_new_tokens": mnt[i],
                    "sampling": {"temperature": s.temperature, "top_p": s.top_p, "seed": s.seed},
-                   "stop_tokens": [int(t) for t in stop_tokens], "prefix_cache": bool(use_prefix_cache)}
+                   "stop_tokens": [int(t) for t in stop_tokens], "prefix_cache": bool(use_prefix_cache),
+                   "retention": str(retention)}
             if deadlines[i] is not None:
                 msg["handoff_timeout_s"] = float(deadlines[i])
             reqs[rid] = {"index": i, "streamed": 0, "tokens": [], "ttft": None, "reissued": 0, "msg": msg}

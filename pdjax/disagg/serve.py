@@ -23,12 +23,12 @@ and launcher, ``TwoProcessServer`` / ``launch_two_process`` (re-exported here), 
 
 Control messages (JSON, :class:`~pdjax.disagg.transfer.Control`):
 client->decode ``hello{prefill}``, ``generate{request, prompt, max_new_tokens, sampling,
-stop_tokens[, handoff_timeout_s, prefix_cache]}``, ``stats``, ``shutdown``; decode->prefill
-``prefill{request, attempt, prompt, sampling, prefix_cache}``, ``cancel{request, attempt}``;
+stop_tokens[, handoff_timeout_s, prefix_cache, retention]}``, ``stats``, ``shutdown``; decode->prefill
+``prefill{request, attempt, prompt, sampling, prefix_cache, retention}``, ``cancel{request, attempt}``;
 prefill->decode ``hello{transfer_address}``, ``started{request, attempt}``,
 ``layer{request, attempt, layer, start, uuid, shape, dtype,
 nbytes}``, ``ready{request, attempt, first_token, prefix_hit_tokens, prefix_errors}``,
-``failed{request, attempt, error}``; decode->client ``token{request, token}``,
+``failed{request, attempt, error[, fatal]}``; decode->client ``token{request, token}``,
 ``done{request, tokens | error, kv_bytes, prefill_attempts, handoff_timeouts,
 prefix_hit_tokens, prefix_errors}``, ``stats{...}``. Test hook, client->prefill on a
 connection of its own: ``fault{prompt, stall_layer, seconds[, count]}`` (stall until the
@@ -146,6 +146,11 @@ class PrefillServer:
             return
         req = Request(msg["request"], [int(t) for t in msg["prompt"]], 1, SamplingParams(**msg["sampling"]))
         use_store = self.store is not None and msg.get("prefix_cache", True)
+        retention = msg.get("retention", "chat")
+        if use_store and retention not in self.store.retention:   # bad input: fail before any compute
+            ctl.send({"op": "failed", **tag, "fatal": True, "error": f"request {req.index}: unknown retention "
+                      f"class {retention!r}; known: {sorted(self.store.retention)}"})
+            return
         stall = self.faults.take_stall(req.prompt)
 
         def push(layer, rows, start):
@@ -174,7 +179,7 @@ class PrefillServer:
             return
         if use_store:
             try:
-                self.store.insert(req.prompt, rows)
+                self.store.insert(req.prompt, rows, retention=retention)
             except Exception:  # noqa: BLE001 - the request is served; only the cache misses out
                 traceback.print_exc()
 
@@ -276,10 +281,13 @@ class DecodeServer:
 
         retried = []
 
-        def retry(h: _Handoff, why: str) -> None:
+        def retry(h: _Handoff, why: str, fatal: bool = False) -> None:
             pool.cancel(h.res)
             req = h.res.request
-            if req.prefill_attempts >= self.max_prefill_attempts:
+            if fatal:                                  # bad input: retrying cannot help
+                req.error = RequestError(why)
+                finish(req)
+            elif req.prefill_attempts >= self.max_prefill_attempts:
                 req.error = RequestError(f"request {req.index}: prefill failed {req.prefill_attempts} times: {why}")
                 finish(req)
             else:
@@ -318,7 +326,7 @@ class DecodeServer:
                         t = msg.get("handoff_timeout_s", self.handoff_timeout_s)
                         if not (isinstance(t, (int, float)) and t > 0):
                             raise RequestError(f"request {req.index}: handoff_timeout_s must be > 0, got {t!r}")
-                        timeout_of[req.index] = (t, bool(msg.get("prefix_cache", True)))
+                        timeout_of[req.index] = (t, bool(msg.get("prefix_cache", True)), msg.get("retention", "chat"))
                         waiting.append(req)
                     except RequestError as e:
                         req.error = e
@@ -339,7 +347,7 @@ class DecodeServer:
                         continue
                     del self.handoffs[req.index]
                     if op == "failed":
-                        retry(h, msg["error"])
+                        retry(h, msg["error"], msg.get("fatal", False))
                         continue
                     req.prefix_hit_tokens = msg.get("prefix_hit_tokens", 0)
                     req.prefix_errors = list(msg.get("prefix_errors", []))
@@ -363,10 +371,10 @@ class DecodeServer:
                     break
                 req = waiting.popleft()
                 req.prefill_attempts += 1
-                t, use_store = timeout_of[req.index]
+                t, use_store, retention = timeout_of[req.index]
                 self.handoffs[req.index] = _Handoff(res, req.prefill_attempts, t)
                 prefill.send({"op": "prefill", "request": req.index, "attempt": req.prefill_attempts,
-                              "prompt": req.prompt, "prefix_cache": use_store,
+                              "prompt": req.prompt, "prefix_cache": use_store, "retention": retention,
                               "sampling": dataclasses.asdict(req.sampling)})
             if pool.active:
                 for slot, tok in pool.step().items():

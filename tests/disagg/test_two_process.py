@@ -125,6 +125,18 @@ def test_prefix_cache_in_prefill_process(server, tiny_cfg, prompts, expected):
     assert len(r["prefix_errors"]) == 1 and "failed its checksum" in r["prefix_errors"][0]
 
 
+def test_retention_class_reaches_the_prefill_store(server, prompts, expected):
+    """Blocks are stored under the request's retention class; an unknown class fails that
+    request alone, before any compute, naming the known classes."""
+    out = server.generate([prompts[1], prompts[0]], max_new_tokens=NEW, timeout=60, retention="agent")
+    assert out == [expected[1], expected[0]]
+    bad = server.generate([prompts[1], prompts[0]], max_new_tokens=NEW, timeout=60, retention="forever")
+    assert all(isinstance(b, RequestError) for b in bad)
+    assert "unknown retention class 'forever'" in str(bad[0]) and "'agent', 'chat'" in str(bad[0])
+    assert all(r["prefill_attempts"] == 1 for r in server.stats["requests"])
+    assert server.generate([prompts[0]], max_new_tokens=NEW, timeout=60) == [expected[0]]
+
+
 def test_bad_request_fails_alone(server, tiny_cfg, prompts, expected):
     out = server.generate([prompts[1], [], [tiny_cfg.vocab_size]], max_new_tokens=NEW, timeout=60)
     assert out[0] == expected[1]
