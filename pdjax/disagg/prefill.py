@@ -124,15 +124,11 @@ class PrefillPool:
         size = bucket(size, self.size)
         kvs = [None] * len(layers)
         for pos, q in plan:
-            Tb = bucket(q, self.size)
-            tokens = np.zeros((1, Tb), np.int32)
-            tokens[0, :q] = req.prompt[pos:pos + q]
-            q_pos = self._put((pos + np.arange(Tb, dtype=np.int32))[None])
+            tokens, q_pos, valid = self._inputs(req.prompt, pos, q)
             start = self._put(np.array([pos], np.int32))
-            valid = self._put((np.arange(Tb) < q)[None])          # the bucket's padding: off the experts
             t0 = time.perf_counter()
             with step_lock:
-                x = _embed(self.params, self._put(tokens))
+                x = _embed(self.params, tokens)
                 for l, lp in enumerate(layers):
                     if kvs[l] is None:
                         if loaded is not None:
@@ -152,14 +148,19 @@ class PrefillPool:
                     chunk_times.append(time.perf_counter() - t0)
         return self._first_token(req, x, plan[-1][1] - 1), [kv[0, :T] for kv in kvs]
 
+    def _inputs(self, prompt, pos: int, q: int):
+        """Tokens pos..pos+q-1 padded to their bucket, their positions, and the validity mask
+        (the bucket's padding stays off the experts), on the pool's devices."""
+        Tb = bucket(q, self.size)
+        tokens = np.zeros((1, Tb), np.int32)
+        tokens[0, :q] = prompt[pos:pos + q]
+        q_pos = (pos + np.arange(Tb, dtype=np.int32))[None]
+        return self._put(tokens), self._put(q_pos), self._put((np.arange(Tb) < q)[None])
+
     def _fresh(self, prompt, push, timeline):
         T = len(prompt)
-        Tb = bucket(T, self.size)
-        tokens = np.zeros((1, Tb), np.int32)
-        tokens[0, :T] = prompt
-        q_pos = self._put(np.arange(Tb, dtype=np.int32)[None])
-        valid = self._put((np.arange(Tb) < T)[None])
-        x = _embed(self.params, self._put(tokens))
+        tokens, q_pos, valid = self._inputs(prompt, 0, T)
+        x = _embed(self.params, tokens)
         rows = []
         for l, lp in enumerate(self.params["layers"]):
             x, kv = _layer(lp, self.cfg, x, q_pos, valid, self.ep)

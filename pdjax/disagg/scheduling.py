@@ -11,6 +11,8 @@ import time
 import jax
 import numpy as np
 
+from pdjax.disagg.prefill import bucket
+
 
 class FifoLock:
     """A lock granted in request order: a prefill that releases it between chunks lets a
@@ -42,30 +44,28 @@ def largest_chunk(cost, c: int, budget_s: float, q_max: int) -> int:
     non-decreasing in q)."""
     if hasattr(cost, "max_chunk"):
         return max(1, cost.max_chunk(c, budget_s, q_max=q_max))
-    lo, hi = 0, q_max
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if cost(mid, c) <= budget_s:
-            lo = mid
-        else:
-            hi = mid - 1
-    return max(1, lo)
+    return max(1, _last_true(lambda q: cost(q, c) <= budget_s, 0, q_max))
 
 
 def whole_buckets(q: int, size: int) -> int:
     """The largest chunk v <= max(q, smallest bucket) whose padded size bucket(v, size) fits in
     it: a prefill pool runs bucket(v) rows, so a chunk chosen for a time budget must not be
     padded past it (and a chunk smaller than the smallest bucket costs a whole bucket anyway)."""
-    from pdjax.disagg.prefill import bucket
     room = max(q, bucket(1, size))
-    lo, hi = 1, room
+    v = _last_true(lambda v: bucket(v, size) <= room, 1, room)
+    return v if bucket(v, size) <= room else q
+
+
+def _last_true(ok, lo: int, hi: int) -> int:
+    """The largest v in [lo, hi] with ok(v), for ok true up to some point and false after
+    (lo when none is: the caller checks)."""
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if bucket(mid, size) <= room:
+        if ok(mid):
             lo = mid
         else:
             hi = mid - 1
-    return lo if bucket(lo, size) <= room else q
+    return lo
 
 
 def measure_link_bandwidth(src, dst, nbytes: int = 8 << 20, repeats: int = 3) -> float:
