@@ -80,8 +80,14 @@ class AFDStepModel:
                 a = (self.cost.decode_attention_time_totals(mb_n, kv * mb_n / n) if self._fast else
                      self.cost.decode_attention_time([kv / n] * mb_n))
                 t_a = max(t_a, a / L)
+        return self._cycle(t_a, tokens, busiest)
+
+    def _cycle(self, t_a: float, tokens: int, busiest: int) -> float:
+        """The step from the slowest attention time per layer, the decode tokens in all and the
+        most on one attention instance: FFN time, exchange time, the m-micro-batch cycle."""
         if not tokens:
             return 0.0
+        m, L = self.m, self.L
         t_f = self.cost.decode_ffn_time(math.ceil(tokens / m)) / self.num_ffn / L
         t_c = math.ceil(busiest / m) * self.exchange_bytes / self.exchange_bw
         self.last = (t_a, t_f, t_c)
@@ -98,9 +104,4 @@ class AFDStepModel:
                 busiest = max(busiest, len(lens))
                 t_a = max(t_a, max(self.cost.decode_attention_time(list(lens[j::m]))
                                    for j in range(min(m, len(lens)))) / L)
-        if not tokens:
-            return 0.0
-        t_f = self.cost.decode_ffn_time(math.ceil(tokens / m)) / self.num_ffn / L
-        t_c = math.ceil(busiest / m) * self.exchange_bytes / self.exchange_bw
-        self.last = (t_a, t_f, t_c)
-        return L * afd_layer_cycle(t_a, t_f, t_c, m)
+        return self._cycle(t_a, tokens, busiest)

@@ -27,6 +27,8 @@ import math
 
 import numpy as np
 
+from pdjax.analysis.units import check_positive
+
 
 @dataclasses.dataclass(frozen=True)
 class ControllerConfig:
@@ -42,9 +44,7 @@ class ControllerConfig:
 
     def __post_init__(self):
         for f in ("interval", "queue_factor", "kv_wait_fraction", "link_util_limit"):
-            v = getattr(self, f)
-            if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
-                raise ValueError(f"ControllerConfig.{f} must be a finite number > 0, got {v!r}")
+            check_positive(f"ControllerConfig.{f}", getattr(self, f))
         if self.cooldown < 0 or self.window < 1 or self.min_prefill < 1 or self.min_decode < 1:
             raise ValueError("ControllerConfig: cooldown >= 0, window >= 1, min_prefill >= 1 and "
                              "min_decode >= 1 are required")
