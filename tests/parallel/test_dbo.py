@@ -10,15 +10,6 @@ from pdjax.parallel import dbo_gain, make_mesh, overlap_timeline
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def case(tiny_cfg, tiny_params):
-    toks = np.random.RandomState(7).randint(0, tiny_cfg.vocab_size, (16, 6)).astype(np.int32)
-    full = np.asarray(pdjax.forward(tiny_params, tiny_cfg, toks))
-    pre, cache = pdjax.prefill(tiny_params, tiny_cfg, toks[:, :5], max_len=8)
-    step, _ = pdjax.decode_step(tiny_params, tiny_cfg, toks[:, 5], cache)
-    return toks, full, np.asarray(pre), np.asarray(step)
-
-
 @pytest.mark.parametrize("axes", [{"data": 2, "expert": 4}, {"data": 1, "expert": 8}],
                          ids=["data2xexpert4", "data1xexpert8"])
 def test_dbo_equals_single_device(tiny_cfg, tiny_params, case, axes):

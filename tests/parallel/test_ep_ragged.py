@@ -41,15 +41,6 @@ def test_emulated_collective_reproduces_the_documented_example():
     assert np.asarray(out).reshape(2, 4).tolist() == [[1, 3, 0, 0], [2, 2, 4, 0]]
 
 
-@pytest.fixture(scope="module")
-def case(tiny_cfg, tiny_params):
-    toks = np.random.RandomState(11).randint(0, tiny_cfg.vocab_size, (16, 6)).astype(np.int32)
-    full = np.asarray(pdjax.forward(tiny_params, tiny_cfg, toks))
-    pre, cache = pdjax.prefill(tiny_params, tiny_cfg, toks[:, :5], max_len=8)
-    step, _ = pdjax.decode_step(tiny_params, tiny_cfg, toks[:, 5], cache)
-    return toks, full, np.asarray(pre), np.asarray(step)
-
-
 @pytest.mark.parametrize("axes,overlap", [({"data": 2, "expert": 4}, None), ({"data": 1, "expert": 8}, "dbo")],
                          ids=["data2xexpert4", "data1xexpert8-dbo"])
 def test_ragged_path_equals_single_device(tiny_cfg, tiny_params, case, axes, overlap):
