@@ -14,6 +14,10 @@ README table (deepseek-ai/DualPipe), exact where :func:`formula_conditions` says
 | DualPipe  | (P/2-1)(F&B+B-3W)      | 2x     | P+1         | P       |
 | DualPipeV | (P/2-1)(F&B+B-3W)      | 2x     | P+1         | P/2     |
 
+The activations column is the most-loaded rank's peak and equals the simulator's W-aware
+count (see :func:`memory_table`): P on rank 0 for 1F1B (P - r on rank r), P on every
+rank for ZB1P, P+1 on every rank for DualPipe and DualPipeV.
+
 General DualPipe/DualPipeV makespan, found with the simulator and checked against it
 for random costs (exact whenever ``FB >= max(F, B)``, uniform stages, no comm): with
 ``n = P/2`` and ``H`` micro-batches per phase (``C/2`` for DualPipe, ``C`` for DualPipeV)
@@ -164,7 +168,23 @@ def dualpipe_bubble(name: str, num_ranks: int, num_microbatches: int,
 def memory_table(name: str, num_stages: int) -> dict:
     """README memory columns for ``P = num_stages``: parameter copies per device (in
     units of one stage's weights), peak live activations per device (in micro-batch
-    activations of one stage), and the number of devices."""
+    activations of one stage), and the number of devices.
+
+    ``activations`` is the most-loaded rank's peak. The faithful simulation (a micro-batch's
+    activations live from its F's start until its B ends, or its W ends when the backward
+    is split; an overlapped pair holds both parts' units) agrees with the published table
+    for every size checked (DualPipe 2-16 ranks, DualPipeV 1-16, micro-batches ``2 x ranks``
+    to ``2 x ranks + 23``; any positive costs give the same peaks, since ops on a rank
+    never overlap and the peak depends only on each rank's op order), rank by rank:
+
+    - 1F1B: rank ``r`` holds ``P - r`` (``min(P - r, m)``); the column is rank 0's ``P``;
+    - ZB1P (ZB-H1): every rank holds ``P`` (``min(P, m)``), as in the zero-bubble paper
+      (freeing at the ``I`` instead would undercount to ``P - r``);
+    - DualPipe (``P`` = ranks) and DualPipeV (``P`` = 2 x ranks): every rank holds
+      ``P + 1``. Only the middle rank(s) (DualPipeV: the last rank), whose first pair is
+      not overlapped, reach ``P + 1`` if a pair's backward frees before its forward
+      allocates; the other ranks reach it because a pair holds both units.
+    """
     key = _name(name)
     p = _positive_int("num_stages", num_stages)
     if key in ("1f1b", "zb1p"):

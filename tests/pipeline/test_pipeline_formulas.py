@@ -81,6 +81,10 @@ def test_memory_table_one_stage_schedules(name, p):
     t = pp.simulate(s, F=1.0, B=2.0, W=1.0)
     table = pp.memory_table(name, p)
     assert max(t.peak_activations) == table["activations"]
+    if name == "1f1b":  # rank r holds P - r
+        assert t.peak_activations.tolist() == list(range(p, 0, -1))
+    else:  # ZB-H1: a W holds its micro-batch's activations, so every rank holds P
+        assert t.peak_activations.tolist() == [p] * p
     assert set(s.param_copies()) == {table["params"]}
     assert s.num_ranks == table["devices"]
 
@@ -94,6 +98,7 @@ def test_report_rows():
     for r in rows:
         if not r.note:
             assert r.formula_applies and r.sim_bubble == pytest.approx(r.formula_bubble)
+            assert r.peak_activations == r.table_activations  # W-aware count = README column
     text = pp.format_report(rows)
     assert "not applicable" in text and "exact" in text
     row = pp.compare_one("dualpipe", 8, 32, F=1.0, B=3.0, W=1.0, FB=3.5)

@@ -56,12 +56,17 @@ def test_1f1b_warmup_and_memory(p, m):
 @given(p=st.integers(2, 16), m=st.integers(1, 64))
 def test_zb1p_defers_w_by_rank(p, m):
     s = pp.build("zb1p", p, m)
+    t = pp.simulate(s, F=1.0, B=2.0, W=1.0)
     for r, ops in enumerate(s.ops):
         kinds = [op.kind for op in ops]
         assert kinds.count("I") == kinds.count("W") == m
         assert "B" not in kinds
         first_w = kinds.index("W")
         assert kinds[:first_w].count("I") == min(r + 1, m)
+        # P-1-r warm-up F, the first steady F, then r more F before the first W frees one:
+        # activations live until their W, so every rank holds min(P, m) (ZB-H1's memory)
+        assert kinds[:first_w].count("F") == min(p, m)
+        assert t.peak_activations[r] == min(p, m)
 
 
 @pytest.mark.parametrize("bad", [
