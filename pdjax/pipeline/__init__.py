@@ -6,7 +6,8 @@
     t.makespan, t.bubble, t.bubble_ratio, t.peak_activations
     plot(t, "dualpipe.png"); print(t.to_text())
 
-Pure Python + numpy (matplotlib only when plotting); no jax. See docs/pipeline.md.
+Pure Python + numpy (matplotlib only when plotting); no jax, except the executor and the
+training loop (``Executor``, ``train``), loaded on first use. See docs/pipeline.md.
 """
 
 from .comms import CommAction, comm_volume, derive_comms
@@ -19,8 +20,21 @@ from .layout import Layout, Pipeline
 from .ops import FB, AnyOp, B, F, I, Op, OverlapFB, W, parse_op
 from .report import ReportRow, compare, compare_one, format_report
 from .schedule import Schedule
-from .simulate import Event, Timeline, simulate, stage_costs
+from .simulate import Event, Timeline, measured_timeline, simulate, stage_costs
 from .validate import ScheduleError, validate
+
+
+_LAZY = {"Executor": "executor", "next_token_loss": "stages", "split_layers": "stages",
+         "train": "training", "TrainState": "training"}
+
+
+def __getattr__(name):
+    """The executor and training loop need jax and the model: loaded on first use only."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def plot(timeline_or_schedule, path=None, **simulate_kwargs):
@@ -38,11 +52,11 @@ def run_bubble_sweep(config_dict, out_dir):
 
 
 __all__ = [
-    "AnyOp", "B", "CommAction", "DeadlockError", "Event", "F", "FB", "GENERATORS", "I", "Layout",
+    "AnyOp", "B", "Executor", "TrainState", "next_token_loss", "split_layers", "train", "CommAction", "DeadlockError", "Event", "F", "FB", "GENERATORS", "I", "Layout",
     "Op", "OverlapFB", "Pipeline", "ReportRow", "Schedule", "ScheduleError", "Timeline", "W",
     "bubble_formula", "bubble_ratio_1f1b", "build", "comm_volume", "compare", "compare_one",
     "derive_comms", "dualpipe", "dualpipe_bubble", "dualpipe_makespan", "dualpipev",
     "format_report", "formula_conditions", "gpipe", "interleaved_1f1b", "memory_table",
     "min_microbatches_1f1b", "one_f_one_b", "parse_op", "plot", "run_bubble_sweep", "simulate",
-    "stage_costs", "validate", "zb1p",
+    "measured_timeline", "stage_costs", "validate", "zb1p",
 ]

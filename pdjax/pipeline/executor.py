@@ -1,0 +1,375 @@
+"""Run a schedule of the IR on devices as a real training step of the pdjax model.
+
+An MPMD interpreter: one host thread per rank dispatches that rank's ops in schedule order;
+values cross ranks with ``jax.device_put``; a rank waits only for the value its next op
+needs. Each op is a compiled program of :mod:`pdjax.pipeline.stages` (F, B, I, W, or an
+overlapped F&B pair as one program). A rank is one device, or several: then its MoE layers
+run expert-parallel over them (:class:`pdjax.parallel.ExpertParallel`) and attention
+data-parallel, as DeepSeek-V3 combines PP with EP.
+
+    s = pdjax.pipeline.build("dualpipe", num_ranks=4, num_microbatches=8)
+    ex = pdjax.pipeline.Executor(s, cfg, devices=jax.devices()[:4])
+    loss, grads = ex.step(params, tokens)      # == jax.value_and_grad(next_token_loss)
+    ex.last_timeline, ex.last_memory
+
+Measurement (``measure=True``): every op blocks on its outputs, and its start and end are
+wall-clock times taken around the dispatch and the wait, so ``last_timeline`` holds what
+each rank really did, in order (an in-order stream per rank, as a GPU stream is; the cost
+is one host round trip per op, reported by the benchmark). ``measure=False`` dispatches
+ahead with no host sync until the step's results are read.
+
+Memory (``last_memory``): per rank, the peak bytes the executor held for pending backward
+work: each micro-batch's residuals (and its stage input when the backward reads it) from
+its F until its B or W, the I-to-W carry (per-layer cotangents, the output gradient) from
+its I until its W. An op's retained outputs count from its start, what it releases from its
+end (an overlapped pair holds both micro-batches). The byte counts are the held arrays'
+shard sizes summed over the rank's devices.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+
+from pdjax.config import ModelConfig
+from pdjax.pipeline import stages as st
+from pdjax.pipeline.ops import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, OverlapFB
+from pdjax.pipeline.runtime import _StepRun
+
+LOSSES = ("next_token",)
+
+
+_COMPILED: dict = {}
+_COMPILE_LOCK = threading.Lock()
+
+
+def _compile_all(jobs) -> list:
+    """Compile ``(key, jitted, specs)`` jobs: lowered in this thread (tracing is Python),
+    compiled by XLA in parallel threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    lowered = []
+    for key, jitted, specs in jobs:
+        full_key = _compile_key(key, specs)
+        with _COMPILE_LOCK:
+            hit = _COMPILED.get(full_key)
+        lowered.append((full_key, hit, None if hit is not None else jitted.lower(*specs)))
+
+    def finish(item):
+        full_key, hit, low = item
+        if hit is None:
+            hit = low.compile()
+            with _COMPILE_LOCK:
+                _COMPILED.setdefault(full_key, hit)
+        return hit
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+        return list(pool.map(finish, lowered))
+
+
+def _zeros_like(tree):
+    """A stage's gradient accumulator: zeros like its params (built once per executor)."""
+    return jax.tree.map(jnp.zeros_like, tree)
+
+
+def _compile_key(key, specs):
+    leaves, treedef = jax.tree.flatten(specs)
+    return (key, treedef, tuple((x.shape, str(x.dtype), x.sharding) for x in leaves))
+
+
+class _Rank:
+    """One pipeline rank: its devices, where batch-major arrays and params go, its MoE."""
+
+    def __init__(self, index: int, devices):
+        self.index, self.devices = index, tuple(devices)
+        if len(self.devices) == 1:
+            self.mesh, self.moe_impl = None, None
+            self._single = SingleDeviceSharding(self.devices[0])
+        else:
+            from pdjax.parallel import ExpertParallel, make_mesh
+
+            self.mesh = make_mesh({"data": 1, "expert": len(self.devices)}, self.devices)
+            self.moe_impl = ExpertParallel(self.mesh)
+
+    def batch(self, ndim: int):
+        """Sharding of a batch-major array: split over every device of the rank (DP attention)."""
+        if self.mesh is None:
+            return self._single
+        return NamedSharding(self.mesh, P(("data", "expert"), *([None] * (ndim - 1))))
+
+    def replicated(self):
+        return self._single if self.mesh is None else NamedSharding(self.mesh, P())
+
+    def place_params(self, sp, cfg):
+        if self.mesh is None:
+            return jax.device_put(sp, self._single)
+        from pdjax.parallel import shard_params
+
+        return shard_params(sp, cfg, self.mesh)
+
+
+class Executor:
+    """Runs ``schedule`` as training steps of the model ``cfg`` on ``devices``.
+
+    ``devices``: a list of devices (default: all), split into ``num_ranks`` equal consecutive
+    groups; a group of several devices runs its stages' MoE layers expert-parallel.
+    ``loss``: "next_token" (mean cross-entropy of every position's next token over the batch).
+    ``layers_per_stage``: layers per model chunk (one chunk per position in a pipeline; default
+    as even as possible). ``measure``: block on every op to time it (``last_timeline``).
+    ``timeout_s``: how long a rank waits for one value before the step fails.
+    """
+
+    def __init__(self, schedule, cfg: ModelConfig, devices=None, loss: str = "next_token", *,
+                 layers_per_stage=None, measure: bool = True, timeout_s: float = 600.0):
+        if not isinstance(cfg, ModelConfig):
+            raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+        if loss not in LOSSES:
+            raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
+        schedule.validate()
+        layout = schedule.layout
+        lengths = {len(p.stages) for p in layout.pipelines}
+        if len(lengths) != 1:
+            raise ValueError(f"every pipeline must have the same number of stages to hold the whole "
+                             f"model, got {sorted(len(p.stages) for p in layout.pipelines)}")
+        devices = list(jax.devices() if devices is None else devices)
+        n = schedule.num_ranks
+        if n > len(devices):
+            raise ValueError(f"the schedule has {n} ranks but only {len(devices)} devices were given")
+        if len(devices) % n:
+            raise ValueError(f"{len(devices)} devices do not split evenly into {n} ranks")
+        k = len(devices) // n
+        if k > 1 and cfg.n_routed_experts and cfg.n_routed_experts % k:
+            raise ValueError(f"each rank's sub-mesh has {k} devices, which do not divide the "
+                             f"{cfg.n_routed_experts} routed experts (expert parallelism inside a stage)")
+        self.schedule, self.cfg, self.loss, self.measure, self.timeout_s = schedule, cfg, loss, measure, timeout_s
+        self.devices_per_rank = k
+        self.ranks = [_Rank(r, devices[r * k:(r + 1) * k]) for r in range(n)]
+        num_chunks = lengths.pop()
+        self.chunks = st.split_layers(cfg.num_hidden_layers, num_chunks, layers_per_stage)
+        # stage -> chunk (its position in its pipeline)
+        self.stage_chunk = [0] * schedule.num_stages
+        for pipe in layout.pipelines:
+            for pos, s in enumerate(pipe.stages):
+                self.stage_chunk[s] = pos
+        self._compiled: dict = {}
+        self.last_timeline = None
+        self.last_memory = None
+        self.stage_memory = None
+        self.dispatch_overhead_s = None
+
+    # ---- checks -----------------------------------------------------------------------------
+    def check_batch(self, tokens) -> np.ndarray:
+        """Host-side checks of a token batch [B,T]; returns it as int32 numpy."""
+        if isinstance(tokens, jax.Array) and not tokens.is_fully_addressable:
+            raise ValueError("tokens must be fully addressable")
+        arr = np.asarray(tokens)
+        if arr.ndim != 2:
+            raise ValueError(f"tokens must be [B, T], got shape {arr.shape}")
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"tokens must be integer ids, got dtype {arr.dtype}")
+        B, T = arr.shape
+        m = self.schedule.num_microbatches
+        if B % m:
+            raise ValueError(f"batch of {B} sequences does not split into the schedule's {m} micro-batches")
+        if (B // m) % self.devices_per_rank:
+            raise ValueError(f"micro-batch of {B // m} sequences does not split over the "
+                             f"{self.devices_per_rank} devices of a rank (data-parallel attention)")
+        if T < 2:
+            raise ValueError(f"next-token loss needs sequences of at least 2 tokens, got T={T}")
+        if T > self.cfg.max_position_embeddings:
+            raise ValueError(f"T={T} exceeds max_position_embeddings={self.cfg.max_position_embeddings}")
+        if arr.min() < 0 or arr.max() >= self.cfg.vocab_size:
+            bad = int(arr.min()) if arr.min() < 0 else int(arr.max())
+            raise ValueError(f"tokens hold id {bad}, outside [0, vocab_size={self.cfg.vocab_size})")
+        return arr.astype(np.int32)
+
+    def check_params(self, params) -> None:
+        if not isinstance(params, dict) or "layers" not in params:
+            raise ValueError("params must be the model's param dict (pdjax.init_params / load_hf)")
+        if len(params["layers"]) != self.cfg.num_hidden_layers:
+            raise ValueError(f"params hold {len(params['layers'])} layers, the config "
+                             f"{self.cfg.num_hidden_layers}")
+
+    # ---- placement ----------------------------------------------------------------------------
+    def place(self, params) -> list[dict]:
+        """Per stage, its chunk's params on the stage's rank (DualPipe: two copies per chunk)."""
+        out = []
+        for s, r in enumerate(self.schedule.layout.stage_rank):
+            chunk = self.chunks[self.stage_chunk[s]]
+            out.append(self.ranks[r].place_params(st.chunk_params(params, chunk), self.cfg))
+        return out
+
+    def gather_grads(self, stage_grads, like) -> dict:
+        """Sum each chunk's gradients over its copies and put them back into the structure
+        (and placement) of ``like`` (the params)."""
+        out = {"layers": [None] * len(like["layers"])}
+        for s in range(self.schedule.num_stages):
+            chunk = self.chunks[self.stage_chunk[s]]
+            g = stage_grads[s]
+            for key in ("embed", "final_norm", "lm_head"):
+                if key in g:
+                    val = jax.device_put(g[key], like[key].sharding)
+                    out[key] = val if key not in out else out[key] + val
+            for i, gl in enumerate(g["layers"]):
+                li = chunk.start + i
+                val = jax.device_put(gl, jax.tree.map(lambda a: a.sharding, like["layers"][li]))
+                prev = out["layers"][li]
+                out["layers"][li] = val if prev is None else jax.tree.map(jnp.add, prev, val)
+        return {k: out[k] for k in like}
+
+    # ---- compiling ----------------------------------------------------------------------------
+    def _spec(self, shape, dtype, sharding):
+        return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
+
+    def compile(self, params_or_staged, batch_shape) -> dict:
+        """Compile every program the schedule uses for a batch [B,T] (done by the first step;
+        call it first to keep compile time out of a measurement). Returns per-stage info.
+
+        Three rounds, each compiled in parallel threads: the forwards (whose residual
+        shardings the backwards are compiled for), then the B, I and F&B programs (the
+        first I of a stage fixes its carry's shardings), then the W programs."""
+        B, T = batch_shape
+        key = (B, T)
+        if key in self._compiled:
+            return self._compiled[key]
+        staged = params_or_staged
+        if isinstance(params_or_staged, dict):
+            self.check_params(params_or_staged)
+            staged = self.place(params_or_staged)
+        b = B // self.schedule.num_microbatches
+        act_dtype = next(sp["embed"].dtype for sp in staged if "embed" in sp)
+        scale = 1.0 / (B * (T - 1))
+        info, jobs = [], []
+        for s, r in enumerate(self.schedule.layout.stage_rank):
+            rank, chunk = self.ranks[r], self.chunks[self.stage_chunk[s]]
+            sp_spec = jax.tree.map(lambda a: self._spec(a.shape, a.dtype, a.sharding), staged[s])
+            x_spec = (self._spec((b, T), jnp.int32, rank.batch(2)) if chunk.first
+                      else self._spec((b, T, self.cfg.hidden_size), act_dtype, rank.batch(3)))
+            tok_spec = self._spec((b, T), jnp.int32, rank.batch(2)) if chunk.last else None
+            prog = st.stage_program(self.cfg, chunk, rank.moe_impl, scale, sp_spec, x_spec, tok_spec)
+            info.append(dict(prog=prog, rank=rank, chunk=chunk, sp=sp_spec, x=x_spec, tok=tok_spec,
+                             x_arg=x_spec if prog.keeps_input else None,
+                             zeros=jax.jit(_zeros_like, out_shardings=jax.tree.map(lambda a: a.sharding, sp_spec))))
+            jobs.append(((id(prog), "F"), prog.F, (sp_spec, x_spec, tok_spec)))
+        for i, f in zip(info, _compile_all(jobs)):
+            prog = i["prog"]
+            y_sh, res_sh = f.output_shardings
+            i["F"] = f
+            i["res"] = [self._spec(a.shape, a.dtype, sh) for a, sh in zip(prog.res_shapes, res_sh)]
+            i["gy"] = self._spec(prog.y_shape.shape, prog.y_shape.dtype, y_sh)
+        self._compile_backwards(info)
+        self._compiled[key] = info
+        return info
+
+    def _compile_backwards(self, info):
+        singles, pairs, weights = {}, {}, set()
+        for ops in self.schedule.ops:
+            for op in ops:
+                if isinstance(op, OverlapFB):
+                    pairs.setdefault((op.forward.stage, op.backward.stage, op.backward.kind), None)
+                elif op.kind == BACKWARD_WEIGHT:
+                    weights.add(op.stage)
+                elif op.kind != FORWARD:
+                    singles.setdefault((op.stage, op.kind), None)
+        jobs = []
+        for s, kind in singles:
+            i = info[s]
+            prog, args = i["prog"], (i["sp"], i["x_arg"], i["res"], i["gy"])
+            if kind == FULL_BACKWARD:
+                jobs.append(((id(prog), "B"), prog.B, (i["sp"], *args)))
+            else:
+                jobs.append(((id(prog), "I"), prog.I, args))
+        for fs, bs, kind in pairs:
+            f, bk = info[fs], info[bs]
+            pair = st.pair_program(f["prog"], bk["prog"], kind)
+            bargs = (bk["sp"], bk["x_arg"], bk["res"], bk["gy"])
+            if kind == FULL_BACKWARD:
+                bargs = (bk["sp"],) + bargs
+            jobs.append(((id(pair), "FB"), pair.fn, (f["sp"], f["x"], f["tok"], *bargs)))
+        compiled = _compile_all(jobs)
+        for (s, kind), c in zip(singles, compiled[:len(singles)]):
+            info[s][kind] = c
+            if kind == BACKWARD_INPUT:
+                self._set_carry(info[s], c.output_shardings[1])
+        # a pair's outputs must land in the shardings the consumers were compiled for (the
+        # standalone F's residuals, the stage's first I's carry); ``reshard`` marks those that don't
+        for (fs, bs, kind), c in zip(pairs, compiled[len(singles):]):
+            f_sh, b_sh = c.output_shardings
+            reshard = f_sh != info[fs]["F"].output_shardings
+            if kind == BACKWARD_INPUT:
+                self._set_carry(info[bs], b_sh[1])
+                reshard = reshard or list(b_sh[1]) != [a.sharding for a in info[bs]["carry"]]
+            info[fs][("FB", fs, bs, kind)] = (c, reshard)
+        jobs = [((id(info[s]["prog"]), "W"), info[s]["prog"].W,
+                 (info[s]["sp"], info[s]["sp"], info[s]["kept"], info[s]["carry"])) for s in sorted(weights)]
+        for s, c in zip(sorted(weights), _compile_all(jobs)):
+            info[s]["W"] = c
+
+    def _set_carry(self, i, shardings):
+        """The canonical specs of a stage's I-to-W carry and of what an I keeps for its W."""
+        if "carry" in i:
+            return
+        prog = i["prog"]
+        _, carry_shapes = jax.eval_shape(prog.I, i["sp"], i["x_arg"], i["res"], i["gy"])
+        i["carry"] = [self._spec(a.shape, a.dtype, sh) for a, sh in zip(carry_shapes, shardings)]
+        values = [i["x"], *i["res"], i["gy"]]
+        i["kept"] = [values[j] for j in prog.w_keep]
+
+    # ---- one step ------------------------------------------------------------------------------
+    def step(self, params, tokens):
+        """One training step: ``(loss, grads)`` equal to ``jax.value_and_grad`` of the unsplit
+        model's mean next-token loss over ``tokens`` [B,T] (split into the schedule's
+        micro-batches in order), grads placed like ``params``."""
+        self.check_params(params)
+        tokens = self.check_batch(tokens)
+        staged = self.place(params)
+        loss, stage_grads = self.run(staged, tokens)
+        return loss, self.gather_grads(stage_grads, params)
+
+    def run(self, staged, tokens):
+        """A step on stage-resident params (:meth:`place`): ``(loss, per-stage grads)``."""
+        tokens = self.check_batch(tokens)
+        info = self.compile(staged, tokens.shape)
+        m = self.schedule.num_microbatches
+        b = tokens.shape[0] // m
+        run = _StepRun(self, info, staged, [tokens[i * b:(i + 1) * b] for i in range(m)])
+        return run.go()
+
+
+
+    # ---- measurement -----------------------------------------------------------------------------
+    def measure_ops(self, params, tokens, repeats: int = 3):
+        """Per-op durations measured in isolation: the schedule is run ``repeats`` times with
+        one op at a time across all ranks (a global lock), each op's inputs ready before its
+        clock starts and its outputs ready when it stops. Returns
+        :class:`pdjax.pipeline.measured.OpCosts` (medians per op kind and stage, in ms, and
+        the dispatch overhead: the time a compiled call takes to return)."""
+        from pdjax.pipeline.measured import OpCosts
+
+        if not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+        self.check_params(params)
+        tokens = self.check_batch(tokens)
+        staged = self.place(params)
+        info = self.compile(staged, tokens.shape)
+        m = self.schedule.num_microbatches
+        b = tokens.shape[0] // m
+        measure, self.measure = self.measure, True
+        try:
+            samples, dispatch = {}, []
+            for _ in range(repeats):
+                run = _StepRun(self, info, staged, [tokens[i * b:(i + 1) * b] for i in range(m)], isolated=True)
+                run.go()
+                for r, ops in enumerate(self.schedule.ops):
+                    for op, s, e, d in zip(ops, run.starts[r], run.ends[r], run.dispatch[r]):
+                        samples.setdefault(OpCosts.key(op), []).append(e - s)
+                        dispatch.append(d)
+        finally:
+            self.measure = measure
+        return OpCosts(self.schedule.num_stages, {k: float(np.median(v)) for k, v in samples.items()},
+                       float(np.median(dispatch)))
