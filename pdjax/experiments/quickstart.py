@@ -28,6 +28,9 @@ DEFAULTS = {
     # a short pd_vs_colocated run (long prompts landing during decode); long_requests = 0 skips it
     "stall": {"short_requests": 4, "short_new_tokens": 100, "long_requests": 2, "long_prompt": 512,
               "long_first_arrival_s": 0.3, "long_interval_s": 0.4, "chunk_tokens": 128},
+    # a short executed_bubbles run (schedules run as training steps vs simulated); schedules = [] skips it
+    "executed": {"schedules": ["zb1p", "dualpipe"], "ranks": 2, "microbatches": 4, "layers": 2, "rows": 2,
+                 "seq_len": 16, "repeats": 3, "op_repeats": 2},
 }
 
 
@@ -217,7 +220,36 @@ def _stall(c: dict, out_dir: str, data: dict) -> list[str]:
             "Full run: `pdjax run experiments/pd_vs_colocated.toml`."]
 
 
-SECTIONS = [model_section, analysis_section, pipeline_section, pd_section]
+def executed_pipeline_section(cfg: dict, out_dir: str) -> tuple[str, dict]:
+    """The executed_bubbles experiment, shortened: schedules run as training steps of a
+    2-layer model of the quick start's preset, measured vs simulated with isolated op times."""
+    from pdjax.experiments.executed_bubbles import run_executed_bubbles
+    from pdjax.pipeline.executed import markdown_table
+
+    c = _merged(cfg)
+    e = c["executed"]
+    full = "Full run: `pdjax run experiments/executed_bubbles.toml`."
+    if not e["schedules"]:
+        return "## Executed pipeline\nskipped ([executed] schedules = []). " + full, {}
+    if jax.device_count() < e["ranks"]:
+        return f"## Executed pipeline\nskipped: needs {e['ranks']} devices (`pdjax run` provides them)", {}
+    sub = os.path.join(out_dir, "executed_pipeline")
+    res = run_executed_bubbles({
+        "run": {k: e[k] for k in ("schedules", "ranks", "microbatches", "repeats", "op_repeats")},
+        "model": {"preset": c["model"]["preset"], "layers": e["layers"], "seed": c["model"]["seed"]},
+        "batch": {"rows": e["rows"], "seq_len": e["seq_len"]}}, sub)
+    rows, last = res["row_objects"], e["schedules"][-1]
+    about = (f"{', '.join(e['schedules'])} run as real training steps of a {e['layers']}-layer "
+             f"{c['model']['preset']} model on {e['ranks']} devices (one per rank), {e['microbatches']} micro-batches "
+             f"of {e['rows']} x {e['seq_len']} tokens: the executor's measured timeline against `simulate()` fed "
+             "with every op's time measured in isolation (the simulated devices share the host's cores, so the measured "
+             "run is usually slower than the isolated op times predict).")
+    md = ["## Executed pipeline", about, "", markdown_table(rows),
+          f"{last}, measured (top) vs simulated (bottom): ![{last}](executed_pipeline/{res['plots'][last]})", "", full]
+    return "\n".join(md), {"headline": res["headline"], "rows": res["rows"]}
+
+
+SECTIONS = [model_section, analysis_section, pipeline_section, executed_pipeline_section, pd_section]
 
 
 def run_quickstart(cfg: dict, out_dir: str) -> dict:

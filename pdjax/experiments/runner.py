@@ -55,6 +55,11 @@ def _pd_vs_colocated(cfg, out_dir):
     return run_pd_vs_colocated(cfg, out_dir)
 
 
+def _executed_bubbles(cfg, out_dir):
+    from pdjax.experiments.executed_bubbles import run_executed_bubbles
+    return run_executed_bubbles(cfg, out_dir)
+
+
 def _sim(kind):
     def run(cfg, out_dir):
         from pdjax.sim.experiments import RUNNERS
@@ -67,6 +72,7 @@ EXPERIMENTS: dict[str, Callable[[dict, str], dict]] = {
     "bubble_sweep": _bubble_sweep,
     "dbo_sweep": _dbo_sweep,
     "pd_vs_colocated": _pd_vs_colocated,
+    "executed_bubbles": _executed_bubbles,
     # serving simulation (pdjax.sim)
     **{k: _sim(k) for k in ("colocated_vs_pd", "pd_ratio_sweep", "afd_ratio_sweep", "link_bandwidth",
                             "prefix_cache_capacity")},

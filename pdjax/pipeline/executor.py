@@ -160,7 +160,6 @@ class Executor:
         self.last_timeline = None
         self.last_memory = None
         self.stage_memory = None
-        self.dispatch_overhead_s = None
 
     # ---- checks -----------------------------------------------------------------------------
     def check_batch(self, tokens) -> np.ndarray:

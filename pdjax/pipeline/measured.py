@@ -68,3 +68,15 @@ class OpCosts:
             lines.append(f"pair F{k[1]}&{k[3]}{k[2]}: {v:.3f}")
         lines.append(f"dispatch per op: {self.dispatch_ms:.3f} ms")
         return "\n".join(lines)
+
+
+def op_costs_from_timeline(timeline) -> OpCosts:
+    """Median per-op durations (ms) of a measured overlapped run (its timeline), keyed as
+    :class:`OpCosts`: the op times *as they ran*, contention with the other ranks included.
+    Fed to the simulator they test its schedule model (dependencies, order, idle time)
+    apart from how op times change when the ranks run at once."""
+    samples: dict = {}
+    for r, ops in enumerate(timeline.schedule.ops):
+        for op, s, e in zip(ops, timeline.starts[r], timeline.ends[r]):
+            samples.setdefault(OpCosts.key(op), []).append(float(e - s))
+    return OpCosts(timeline.schedule.num_stages, {k: float(np.median(v)) for k, v in samples.items()}, float("nan"))

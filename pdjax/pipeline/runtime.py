@@ -99,6 +99,8 @@ class _StepRun:
         ex = self.ex
         threads = [threading.Thread(target=self._rank_main, args=(r,), name=f"pdjax-pp-rank{r}", daemon=True)
                    for r in range(ex.schedule.num_ranks)]
+        if ex.measure:   # the step's inputs are in place before its clock starts
+            jax.block_until_ready((self.tokens_in, self.tokens_out, self.acc, self.one))
         self.t0 = time.perf_counter()
         for t in threads:
             t.start()

@@ -17,7 +17,9 @@ def test_quickstart_runs_and_writes_report(tmp_path):
     src = open(os.path.join(ROOT, "experiments", "quickstart.toml")).read()
     small = src.replace("batch = 4", "batch = 2").replace("prompt_len = 32", "prompt_len = 8") \
                .replace("max_new_tokens = 16", "max_new_tokens = 4") \
-               .replace("long_requests = 2", "long_requests = 0")      # pd_vs_colocated: tested on its own
+               .replace("long_requests = 2", "long_requests = 0") \
+               .replace('schedules = ["zb1p", "dualpipe"]', 'schedules = ["1f1b"]') \
+               .replace("seq_len = 16", "seq_len = 8")      # pd_vs_colocated, executed_bubbles: tested on their own
     cfg = tmp_path / "q.toml"
     cfg.write_text(small)
     out_dir, summary = runner.run(str(cfg), runs_dir=str(tmp_path / "runs"))
@@ -33,6 +35,10 @@ def test_quickstart_runs_and_writes_report(tmp_path):
     assert pd["identical_to_generate"] is True and pd["kv_bytes_sent"] == pd["kv_bytes_formula"]
     assert os.path.exists(os.path.join(out_dir, "dualpipe_8x20.png"))
     assert json.load(open(os.path.join(out_dir, "summary.json")))["pipeline_section"]["dualpipe"]
+    assert "## Executed pipeline" in report and "(executed_pipeline/1f1b.png)" in report
+    assert os.path.exists(os.path.join(out_dir, "executed_pipeline", "1f1b.png"))
+    row = summary["executed_pipeline_section"]["rows"][0]
+    assert row["measured_peak_bytes"] == row["simulated_peak_bytes"]
 
 
 def test_bubble_sweep_through_the_cli(tmp_path, capsys):
