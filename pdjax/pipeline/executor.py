@@ -28,7 +28,6 @@ shard sizes summed over the rank's devices.
 
 from __future__ import annotations
 
-import os
 import threading
 
 import jax
@@ -49,27 +48,24 @@ _COMPILE_LOCK = threading.Lock()
 
 
 def _compile_all(jobs) -> list:
-    """Compile ``(key, jitted, specs)`` jobs: lowered in this thread (tracing is Python),
-    compiled by XLA in parallel threads."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    lowered = []
+    """Compile ``(key, jitted, specs)`` jobs, each once per process (one thread: concurrent
+    XLA:CPU compiles of these programs aborted the process in a test run)."""
+    out = []
     for key, jitted, specs in jobs:
         full_key = _compile_key(key, specs)
         with _COMPILE_LOCK:
             hit = _COMPILED.get(full_key)
-        lowered.append((full_key, hit, None if hit is not None else jitted.lower(*specs)))
-
-    def finish(item):
-        full_key, hit, low = item
         if hit is None:
-            hit = low.compile()
+            hit = jitted.lower(*specs).compile()
             with _COMPILE_LOCK:
-                _COMPILED.setdefault(full_key, hit)
-        return hit
+                hit = _COMPILED.setdefault(full_key, hit)
+        out.append(hit)
+    return out
 
-    with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
-        return list(pool.map(finish, lowered))
+
+def _placement(a):
+    """Where a gradient goes: like its param (the default device for a host array)."""
+    return getattr(a, "sharding", None) or jax.devices()[0]
 
 
 def _zeros_like(tree):
@@ -101,9 +97,6 @@ class _Rank:
         if self.mesh is None:
             return self._single
         return NamedSharding(self.mesh, P(("data", "expert"), *([None] * (ndim - 1))))
-
-    def replicated(self):
-        return self._single if self.mesh is None else NamedSharding(self.mesh, P())
 
     def place_params(self, sp, cfg):
         if self.mesh is None:
@@ -212,11 +205,11 @@ class Executor:
             g = stage_grads[s]
             for key in ("embed", "final_norm", "lm_head"):
                 if key in g:
-                    val = jax.device_put(g[key], like[key].sharding)
+                    val = jax.device_put(g[key], _placement(like[key]))
                     out[key] = val if key not in out else out[key] + val
             for i, gl in enumerate(g["layers"]):
                 li = chunk.start + i
-                val = jax.device_put(gl, jax.tree.map(lambda a: a.sharding, like["layers"][li]))
+                val = jax.device_put(gl, jax.tree.map(_placement, like["layers"][li]))
                 prev = out["layers"][li]
                 out["layers"][li] = val if prev is None else jax.tree.map(jnp.add, prev, val)
         return {k: out[k] for k in like}
@@ -229,9 +222,9 @@ class Executor:
         """Compile every program the schedule uses for a batch [B,T] (done by the first step;
         call it first to keep compile time out of a measurement). Returns per-stage info.
 
-        Three rounds, each compiled in parallel threads: the forwards (whose residual
-        shardings the backwards are compiled for), then the B, I and F&B programs (the
-        first I of a stage fixes its carry's shardings), then the W programs."""
+        Three rounds: the forwards (whose residual shardings the backwards are compiled
+        for), then the B, I and F&B programs (the first I of a stage fixes its carry's
+        shardings), then the W programs."""
         B, T = batch_shape
         key = (B, T)
         if key in self._compiled:
