@@ -1,6 +1,7 @@
 """Test set-up: 8 simulated CPU devices (set before jax initialises), float32 matmuls at
 full precision, and the persistent compilation cache."""
 
+import gc
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -20,6 +21,16 @@ import pytest  # noqa: E402
 import pdjax  # noqa: E402
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_compiled_programs():
+    """Drop jax's compiled programs after each test module: every loaded XLA:CPU executable
+    holds memory mappings, and the whole suite's would pass the kernel's per-process limit
+    (vm.max_map_count, 65530 here; XLA then crashes in a compile)."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")

@@ -173,7 +173,9 @@ def formula_bubble(name: str, num_stages: int, costs: dict, mean_busy: float) ->
 
 
 def _row(schedule, shape, measured, peak, simulated, costs, op_costs, makespans) -> ExecutedRow:
-    P = len(schedule.layout.pipelines[0].stages)
+    # the formulas' P: stages of one pipeline (DualPipeV: 2 x ranks), but ranks for interleaved
+    # 1F1B, whose formula takes per-chunk costs
+    P = schedule.num_ranks if schedule.name == "interleaved-1f1b" else len(schedule.layout.pipelines[0].stages)
     f_b, f_ratio, applies, note = formula_bubble(schedule.name, P, costs, float(np.mean(simulated.busy)))
     return ExecutedRow(
         schedule=schedule.name, P=P, ranks=schedule.num_ranks, microbatches=schedule.num_microbatches,

@@ -29,6 +29,7 @@ shard sizes summed over the rank's devices.
 from __future__ import annotations
 
 import threading
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -43,8 +44,19 @@ from pdjax.pipeline.runtime import _StepRun
 LOSSES = ("next_token",)
 
 
-_COMPILED: dict = {}
+# compiled programs shared by executors (and schedules) that run the same stage program on the
+# same devices; weak, so they go when the last executor using them does (every loaded XLA:CPU
+# executable holds memory mappings, and a process has a bounded number of those)
+_COMPILED: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 _COMPILE_LOCK = threading.Lock()
+
+
+def clear_caches() -> None:
+    """Forget the traced stage programs and the shared compiled programs (executors keep
+    their own); e.g. between the points of a long sweep."""
+    with _COMPILE_LOCK:
+        _COMPILED.clear()
+    st.clear_caches()
 
 
 def _compile_all(jobs) -> list:
@@ -61,6 +73,20 @@ def _compile_all(jobs) -> list:
                 hit = _COMPILED.setdefault(full_key, hit)
         out.append(hit)
     return out
+
+
+def _equivalent(shardings, others) -> bool:
+    """Whether two pytrees of shardings are the same, leaf by leaf (when not, the executor
+    moves the arrays: correct, at the cost of a copy)."""
+    a, b = jax.tree.leaves(shardings), jax.tree.leaves(others)
+    return len(a) == len(b) and all(x == y for x, y in zip(a, b))
+
+
+def _check_acc(i, shardings) -> None:
+    """A program that accumulates a stage's gradients must return the accumulator where the
+    next one expects it (the params' shardings); ``acc_reshard`` marks a stage that does not."""
+    want = jax.tree.map(lambda a: a.sharding, i["sp"])
+    i["acc_reshard"] = i.get("acc_reshard", False) or not _equivalent(shardings, want)
 
 
 def _placement(a):
@@ -129,6 +155,10 @@ class Executor:
         if len(lengths) != 1:
             raise ValueError(f"every pipeline must have the same number of stages to hold the whole "
                              f"model, got {sorted(len(p.stages) for p in layout.pipelines)}")
+        ids = sorted(m for p in layout.pipelines for m in p.microbatches)
+        if ids != list(range(schedule.num_microbatches)):
+            raise ValueError(f"the executor needs micro-batch ids 0..{schedule.num_microbatches - 1} "
+                             f"(micro-batch i is rows i*b..(i+1)*b of the batch), got {ids[:8]}...")
         devices = list(jax.devices() if devices is None else devices)
         n = schedule.num_ranks
         if n > len(devices):
@@ -150,23 +180,39 @@ class Executor:
             for pos, s in enumerate(pipe.stages):
                 self.stage_chunk[s] = pos
         self._compiled: dict = {}
+        self._param_shapes = None
         self.last_timeline = None
         self.last_memory = None
         self.stage_memory = None
 
     # ---- checks -----------------------------------------------------------------------------
-    def check_batch(self, tokens) -> np.ndarray:
-        """Host-side checks of a token batch [B,T]; returns it as int32 numpy."""
-        if isinstance(tokens, jax.Array) and not tokens.is_fully_addressable:
-            raise ValueError("tokens must be fully addressable")
+    def check_batch(self, tokens):
+        """Checks of a token batch [B,T] before any compute. A host array is checked fully
+        (shape, dtype, ids in the vocabulary) and returned as int32 numpy; a jax.Array only
+        by shape and dtype (reading its values would wait for the device)."""
+        if isinstance(tokens, jax.Array):
+            if not tokens.is_fully_addressable:
+                raise ValueError("tokens must be fully addressable")
+            if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+                raise ValueError(f"tokens must be integer ids [B, T], got {tokens.dtype} {tokens.shape}")
+            self.check_shape(tokens.shape)
+            return tokens.astype(jnp.int32)
         arr = np.asarray(tokens)
         if arr.ndim != 2:
             raise ValueError(f"tokens must be [B, T], got shape {arr.shape}")
         if not np.issubdtype(arr.dtype, np.integer):
             raise TypeError(f"tokens must be integer ids, got dtype {arr.dtype}")
-        B, T = arr.shape
+        self.check_shape(arr.shape)
+        if arr.min() < 0 or arr.max() >= self.cfg.vocab_size:
+            bad = int(arr.min()) if arr.min() < 0 else int(arr.max())
+            raise ValueError(f"tokens hold id {bad}, outside [0, vocab_size={self.cfg.vocab_size})")
+        return arr.astype(np.int32)
+
+    def check_shape(self, batch_shape) -> None:
+        """A batch [B,T] must split into the micro-batches and over a rank's devices."""
+        B, T = (int(v) for v in batch_shape)
         m = self.schedule.num_microbatches
-        if B % m:
+        if B < m or B % m:
             raise ValueError(f"batch of {B} sequences does not split into the schedule's {m} micro-batches")
         if (B // m) % self.devices_per_rank:
             raise ValueError(f"micro-batch of {B // m} sequences does not split over the "
@@ -175,17 +221,26 @@ class Executor:
             raise ValueError(f"next-token loss needs sequences of at least 2 tokens, got T={T}")
         if T > self.cfg.max_position_embeddings:
             raise ValueError(f"T={T} exceeds max_position_embeddings={self.cfg.max_position_embeddings}")
-        if arr.min() < 0 or arr.max() >= self.cfg.vocab_size:
-            bad = int(arr.min()) if arr.min() < 0 else int(arr.max())
-            raise ValueError(f"tokens hold id {bad}, outside [0, vocab_size={self.cfg.vocab_size})")
-        return arr.astype(np.int32)
 
     def check_params(self, params) -> None:
+        """The model's param tree for ``cfg``: same structure and shapes as ``init_params``."""
         if not isinstance(params, dict) or "layers" not in params:
             raise ValueError("params must be the model's param dict (pdjax.init_params / load_hf)")
         if len(params["layers"]) != self.cfg.num_hidden_layers:
             raise ValueError(f"params hold {len(params['layers'])} layers, the config "
                              f"{self.cfg.num_hidden_layers}")
+        if self._param_shapes is None:
+            from pdjax.model.transformer import init_params
+
+            self._param_shapes = jax.eval_shape(lambda k: init_params(self.cfg, k), jax.random.key(0))
+        want, got = jax.tree.structure(self._param_shapes), jax.tree.structure(params)
+        if want != got:
+            raise ValueError(f"params do not have the model's structure: expected {want}, got {got}")
+        for path, a, b in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                              jax.tree.leaves(params), jax.tree.leaves(self._param_shapes)):
+            if tuple(np.shape(a)) != tuple(b.shape):
+                raise ValueError(f"param {jax.tree_util.keystr(path[0])} has shape {np.shape(a)}, "
+                                 f"the config gives {b.shape}")
 
     # ---- placement ----------------------------------------------------------------------------
     def place(self, params) -> list[dict]:
@@ -225,29 +280,33 @@ class Executor:
         Three rounds: the forwards (whose residual shardings the backwards are compiled
         for), then the B, I and F&B programs (the first I of a stage fixes its carry's
         shardings), then the W programs."""
-        B, T = batch_shape
-        key = (B, T)
-        if key in self._compiled:
-            return self._compiled[key]
+        self.check_shape(batch_shape)
+        B, T = (int(v) for v in batch_shape)
         staged = params_or_staged
         if isinstance(params_or_staged, dict):
             self.check_params(params_or_staged)
             staged = self.place(params_or_staged)
+        key = (B, T, tuple((a.shape, str(a.dtype), a.sharding) for a in jax.tree.leaves(staged)))
+        if key in self._compiled:
+            return self._compiled[key]
         b = B // self.schedule.num_microbatches
-        act_dtype = next(sp["embed"].dtype for sp in staged if "embed" in sp)
         scale = 1.0 / (B * (T - 1))
-        info, jobs = [], []
-        for s, r in enumerate(self.schedule.layout.stage_rank):
-            rank, chunk = self.ranks[r], self.chunks[self.stage_chunk[s]]
-            sp_spec = jax.tree.map(lambda a: self._spec(a.shape, a.dtype, a.sharding), staged[s])
-            x_spec = (self._spec((b, T), jnp.int32, rank.batch(2)) if chunk.first
-                      else self._spec((b, T, self.cfg.hidden_size), act_dtype, rank.batch(3)))
-            tok_spec = self._spec((b, T), jnp.int32, rank.batch(2)) if chunk.last else None
-            prog = st.stage_program(self.cfg, chunk, rank.moe_impl, scale, sp_spec, x_spec, tok_spec)
-            info.append(dict(prog=prog, rank=rank, chunk=chunk, sp=sp_spec, x=x_spec, tok=tok_spec,
-                             x_arg=x_spec if prog.keeps_input else None,
-                             zeros=jax.jit(_zeros_like, out_shardings=jax.tree.map(lambda a: a.sharding, sp_spec))))
-            jobs.append(((id(prog), "F"), prog.F, (sp_spec, x_spec, tok_spec)))
+        info, jobs = [None] * self.schedule.num_stages, [None] * self.schedule.num_stages
+        for pipe in self.schedule.layout.pipelines:        # in pipeline order: a stage's input
+            prev = None                                    # dtype is its predecessor's output's
+            for s in pipe.stages:
+                rank = self.ranks[self.schedule.layout.stage_rank[s]]
+                chunk = self.chunks[self.stage_chunk[s]]
+                sp_spec = jax.tree.map(lambda a: self._spec(a.shape, a.dtype, a.sharding), staged[s])
+                x_spec = (self._spec((b, T), jnp.int32, rank.batch(2)) if prev is None
+                          else self._spec((b, T, self.cfg.hidden_size), prev.y_shape.dtype, rank.batch(3)))
+                tok_spec = self._spec((b, T), jnp.int32, rank.batch(2)) if chunk.last else None
+                prog = st.stage_program(self.cfg, chunk, rank.moe_impl, scale, sp_spec, x_spec, tok_spec)
+                info[s] = dict(prog=prog, rank=rank, chunk=chunk, sp=sp_spec, x=x_spec, tok=tok_spec,
+                               x_arg=x_spec if prog.keeps_input else None,
+                               zeros=jax.jit(_zeros_like, out_shardings=jax.tree.map(lambda a: a.sharding, sp_spec)))
+                jobs[s] = ((prog.key, "F"), prog.F, (sp_spec, x_spec, tok_spec))
+                prev = prog
         for i, f in zip(info, _compile_all(jobs)):
             prog = i["prog"]
             y_sh, res_sh = f.output_shardings
@@ -273,34 +332,39 @@ class Executor:
             i = info[s]
             prog, args = i["prog"], (i["sp"], i["x_arg"], i["res"], i["gy"])
             if kind == FULL_BACKWARD:
-                jobs.append(((id(prog), "B"), prog.B, (i["sp"], *args)))
+                jobs.append(((prog.key, "B"), prog.B, (i["sp"], *args)))
             else:
-                jobs.append(((id(prog), "I"), prog.I, args))
+                jobs.append(((prog.key, "I"), prog.I, args))
         for fs, bs, kind in pairs:
             f, bk = info[fs], info[bs]
             pair = st.pair_program(f["prog"], bk["prog"], kind)
             bargs = (bk["sp"], bk["x_arg"], bk["res"], bk["gy"])
             if kind == FULL_BACKWARD:
                 bargs = (bk["sp"],) + bargs
-            jobs.append(((id(pair), "FB"), pair.fn, (f["sp"], f["x"], f["tok"], *bargs)))
+            jobs.append(((pair.key, "FB"), pair.fn, (f["sp"], f["x"], f["tok"], *bargs)))
         compiled = _compile_all(jobs)
         for (s, kind), c in zip(singles, compiled[:len(singles)]):
             info[s][kind] = c
             if kind == BACKWARD_INPUT:
                 self._set_carry(info[s], c.output_shardings[1])
+            else:
+                _check_acc(info[s], c.output_shardings[0])
         # a pair's outputs must land in the shardings the consumers were compiled for (the
         # standalone F's residuals, the stage's first I's carry); ``reshard`` marks those that don't
         for (fs, bs, kind), c in zip(pairs, compiled[len(singles):]):
             f_sh, b_sh = c.output_shardings
-            reshard = f_sh != info[fs]["F"].output_shardings
+            reshard = not _equivalent(f_sh, info[fs]["F"].output_shardings)
             if kind == BACKWARD_INPUT:
                 self._set_carry(info[bs], b_sh[1])
-                reshard = reshard or list(b_sh[1]) != [a.sharding for a in info[bs]["carry"]]
+                reshard = reshard or not _equivalent(b_sh[1], [a.sharding for a in info[bs]["carry"]])
+            else:
+                _check_acc(info[bs], b_sh[0])
             info[fs][("FB", fs, bs, kind)] = (c, reshard)
-        jobs = [((id(info[s]["prog"]), "W"), info[s]["prog"].W,
+        jobs = [((info[s]["prog"].key, "W"), info[s]["prog"].W,
                  (info[s]["sp"], info[s]["sp"], info[s]["kept"], info[s]["carry"])) for s in sorted(weights)]
         for s, c in zip(sorted(weights), _compile_all(jobs)):
             info[s]["W"] = c
+            _check_acc(info[s], c.output_shardings)
 
     def _set_carry(self, i, shardings):
         """The canonical specs of a stage's I-to-W carry and of what an I keeps for its W."""
@@ -319,20 +383,22 @@ class Executor:
         micro-batches in order), grads placed like ``params``."""
         self.check_params(params)
         tokens = self.check_batch(tokens)
-        staged = self.place(params)
-        loss, stage_grads = self.run(staged, tokens)
+        loss, stage_grads = self._run(self.place(params), tokens)
         return loss, self.gather_grads(stage_grads, params)
 
     def run(self, staged, tokens):
         """A step on stage-resident params (:meth:`place`): ``(loss, per-stage grads)``."""
-        tokens = self.check_batch(tokens)
+        return self._run(staged, self.check_batch(tokens))
+
+    def _run(self, staged, tokens):
+        return self._step(staged, tokens).go()
+
+    def _step(self, staged, tokens, isolated: bool = False) -> _StepRun:
+        """A step ready to go (compiled, inputs split into micro-batches)."""
         info = self.compile(staged, tokens.shape)
         m = self.schedule.num_microbatches
         b = tokens.shape[0] // m
-        run = _StepRun(self, info, staged, [tokens[i * b:(i + 1) * b] for i in range(m)])
-        return run.go()
-
-
+        return _StepRun(self, info, staged, [tokens[i * b:(i + 1) * b] for i in range(m)], isolated)
 
     # ---- measurement -----------------------------------------------------------------------------
     def measure_ops(self, params, tokens, repeats: int = 3):
@@ -348,20 +414,19 @@ class Executor:
         self.check_params(params)
         tokens = self.check_batch(tokens)
         staged = self.place(params)
-        info = self.compile(staged, tokens.shape)
-        m = self.schedule.num_microbatches
-        b = tokens.shape[0] // m
         measure, self.measure = self.measure, True
+        last = (self.last_timeline, self.last_memory, self.stage_memory)
         try:
             samples, dispatch = {}, []
             for _ in range(repeats):
-                run = _StepRun(self, info, staged, [tokens[i * b:(i + 1) * b] for i in range(m)], isolated=True)
+                run = self._step(staged, tokens, isolated=True)
                 run.go()
                 for r, ops in enumerate(self.schedule.ops):
                     for op, s, e, d in zip(ops, run.starts[r], run.ends[r], run.dispatch[r]):
                         samples.setdefault(OpCosts.key(op), []).append(e - s)
                         dispatch.append(d)
-        finally:
+        finally:   # the isolated runs are not steps: the last step's measurements stay
             self.measure = measure
+            self.last_timeline, self.last_memory, self.stage_memory = last
         return OpCosts(self.schedule.num_stages, {k: float(np.median(v)) for k, v in samples.items()},
                        float(np.median(dispatch)))

@@ -104,8 +104,11 @@ class _StepRun:
         self.t0 = time.perf_counter()
         for t in threads:
             t.start()
-        for t in threads:
-            t.join()
+        for t in threads:     # a rank stuck past the timeout (e.g. in a device wait) fails the step
+            t.join(ex.timeout_s)
+            if t.is_alive():
+                self.mail.fail(TimeoutError(f"{t.name} did not finish within {ex.timeout_s:.0f} s"))
+                break
         if self.mail.failed is not None:
             raise RuntimeError(f"pipeline step failed: {self.mail.failed}") from self.mail.failed
         loss = None
@@ -233,6 +236,11 @@ class _StepRun:
         self._send_backward(s, m, gx)
         return alloc, freed
 
+    def _settle_acc(self, s: int) -> None:
+        """Keep a stage's gradient accumulator where its next B/W was compiled to find it."""
+        if self.info[s].get("acc_reshard"):
+            self.acc[s] = jax.device_put(self.acc[s], jax.tree.map(lambda a: a.sharding, self.info[s]["sp"]))
+
     def _run_op(self, op):
         """Dispatch one op; returns (its outputs, bytes allocated, bytes freed)."""
         if isinstance(op, OverlapFB):
@@ -250,6 +258,7 @@ class _StepRun:
             self._mark()
             self.acc[s], gx = i["B"](self.acc[s], sp, x, res, gy)
             self._dispatched()
+            self._settle_acc(s)
             del self.held[(s, m)]
             self._send_backward(s, m, gx)
             return (self.acc[s], gx), 0, self.held_bytes.pop((s, m))
@@ -264,6 +273,7 @@ class _StepRun:
         self._mark()
         self.acc[s] = i["W"](self.acc[s], sp, kept, carry)
         self._dispatched()
+        self._settle_acc(s)
         return self.acc[s], 0, self.held_bytes.pop((s, m))
 
     def _run_pair(self, op):
@@ -276,6 +286,7 @@ class _StepRun:
         self._mark()
         if bk.kind == FULL_BACKWARD:
             (y, fres), (self.acc[bk.stage], gx) = compiled(*fargs, self.acc[bk.stage], sb, x, res, gy)
+            self._settle_acc(bk.stage)
             carry = None
         else:
             (y, fres), (gx, carry) = compiled(*fargs, sb, x, res, gy)

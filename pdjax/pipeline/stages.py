@@ -15,7 +15,8 @@ micro-batch's token ids, needed by the loss):
   out: the backward reads them from ``sp`` and ``x``.
 - ``B(acc, sp, x, res, gy) -> (acc + grads, gx)``: the full backward; ``acc`` (the stage's
   gradient accumulator) is donated.
-- ``I(sp, x, res, gy) -> (gx, carry)`` and ``W(acc, sp, x, res, gy, carry) -> acc + grads``:
+- ``I(sp, x, res, gy) -> (gx, carry)`` and ``W(acc, sp, kept, carry) -> acc + grads``
+  (``kept``: the values of ``[x, *res, gy]`` W reads, see :attr:`StageProgram.w_keep`):
   the backward cut in two by partitioning its jaxpr: ``I`` is every equation the input
   gradient depends on, ``W`` every other equation the weight gradients need; ``carry`` is
   what ``W`` reads of ``I``'s values (per-layer output cotangents). Neither recomputes the
@@ -114,6 +115,7 @@ class StageProgram:
     def __init__(self, cfg: ModelConfig, chunk: Chunk, moe_impl, loss_scale: float):
         self.cfg, self.chunk, self.moe_impl, self.loss_scale = cfg, chunk, moe_impl, loss_scale
         self._structure = None   # (treedef, kinds): filled when F is traced
+        self.key = None          # the cache key (see stage_program)
 
     # ---- the stage as a differentiable function of (params, layer input) --------------------
     def _body(self, sp, h, tok):
@@ -142,7 +144,8 @@ class StageProgram:
             else:
                 kinds.append(("res", len(res)))
                 res.append(leaf)
-        self._structure = (treedef, tuple(kinds))
+        if self._structure is None:      # fixed by build(); later traces (pairs) find the same
+            self._structure = (treedef, tuple(kinds))
         return y, res
 
     def backward_fn(self, sp, x, res, gy):
@@ -302,6 +305,7 @@ def stage_program(cfg: ModelConfig, chunk: Chunk, moe_impl, loss_scale: float, s
         if prog is None:
             prog = _PROGRAMS[key] = StageProgram(cfg, chunk, moe_impl, loss_scale).build(
                 sp_shapes, x_shape, tok_shape)
+            prog.key = key
     return prog
 
 
@@ -333,10 +337,18 @@ class PairProgram:
 _PAIRS: dict = {}
 
 
+def clear_caches() -> None:
+    """Forget every cached stage and pair program."""
+    with _LOCK:
+        _PROGRAMS.clear()
+        _PAIRS.clear()
+
+
 def pair_program(fwd: StageProgram, bwd: StageProgram, kind: str) -> PairProgram:
     """The (cached) overlapped pair of two stage programs."""
-    key = (id(fwd), id(bwd), kind)
+    key = (fwd.key, bwd.key, kind)
     with _LOCK:
         if key not in _PAIRS:
             _PAIRS[key] = PairProgram(fwd, bwd, kind)
+            _PAIRS[key].key = key
         return _PAIRS[key]

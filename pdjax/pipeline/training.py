@@ -129,6 +129,9 @@ def _executor(cfg, schedule, executor, devices, layers_per_stage) -> Executor:
         raise ValueError(f"executor must be a pdjax.pipeline.Executor, got {type(executor).__name__}")
     if devices is not None or layers_per_stage is not None:
         raise ValueError("with an executor, devices and layers_per_stage come from it: pass None")
+    if executor.measure:
+        raise ValueError("the executor measures every op (a host sync per op): pass one built with "
+                         "measure=False for training")
     if executor.schedule is not schedule or executor.cfg != cfg:
         raise ValueError("the executor runs another schedule or model config than the one given")
     return executor

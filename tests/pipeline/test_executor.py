@@ -159,3 +159,27 @@ def test_bad_tokens_and_params(executor, exec_params, exec_tokens, exec_cfg):
         ex.step({**exec_params, "layers": exec_params["layers"][:3]}, exec_tokens)
     with pytest.raises(ValueError, match="loss"):
         pp.Executor(ex.schedule, exec_cfg, devices=jax.devices()[:2], loss="mse")
+
+
+def test_a_failing_rank_fails_the_step_without_hanging(executor, exec_params, exec_tokens, monkeypatch):
+    """Rank 1's forward raises: the step raises (naming the error), rank 0 stops waiting for
+    gradients that will never come, and the executor still runs the next step."""
+    ex = executor("1f1b")
+    info = ex.compile(exec_params, exec_tokens.shape)
+
+    def broken(*args):
+        raise FloatingPointError("injected failure on rank 1")
+    monkeypatch.setitem(info[1], "F", broken)
+    with pytest.raises(RuntimeError, match="injected failure on rank 1"):
+        ex.step(exec_params, exec_tokens)
+    monkeypatch.undo()
+    loss, _ = ex.step(exec_params, exec_tokens)
+    assert np.isfinite(float(loss))
+
+
+def test_micro_batch_ids_must_cover_the_batch(exec_cfg):
+    s = pp.build("1f1b", 2, 2)
+    shifted = pp.Layout(2, s.layout.stage_rank, (pp.Pipeline((0, 1), 2, 2),))
+    ops = tuple(tuple(type(op)(op.kind, op.stage, op.microbatch + 2) for op in r) for r in s.ops)
+    with pytest.raises(ValueError, match="micro-batch ids 0..1"):
+        pp.Executor(pp.Schedule("shifted", shifted, ops), exec_cfg, devices=jax.devices()[:2])
