@@ -8,14 +8,43 @@ The model API is pure functions over param pytrees::
     logits, cache = pdjax.prefill(params, cfg, tokens, max_len=64)
     logits, cache = pdjax.decode_step(params, cfg, next_tokens, cache)
     out = pdjax.generate(params, cfg, prompts, max_new_tokens=16)
+
+Every subpackage is an attribute (``pdjax.analysis``, ``pdjax.pipeline``, ``pdjax.sim``,
+``pdjax.disagg``, ``pdjax.parallel``, ``pdjax.model``, ``pdjax.experiments``), imported on
+first use: ``import pdjax`` itself loads no jax, and the pure-Python parts (schedules,
+analysis, the serving simulator) never do.
 """
+
+import importlib
 
 from pdjax import configs
 from pdjax.config import ModelConfig, RopeScaling
-from pdjax.model.cache import KVCache, init_cache
-from pdjax.model.hf import load_hf, restore_params, save_hf, save_params
-from pdjax.api import decode_step, forward, generate, prefill
-from pdjax.model.transformer import init_params
+
+SUBPACKAGES = ("analysis", "api", "disagg", "experiments", "model", "parallel", "pipeline", "sim")
+
+# public name -> the module that defines it (imported on first use)
+_LAZY = {
+    "KVCache": "pdjax.model.cache", "init_cache": "pdjax.model.cache",
+    "load_hf": "pdjax.model.hf", "restore_params": "pdjax.model.hf", "save_hf": "pdjax.model.hf",
+    "save_params": "pdjax.model.hf",
+    "decode_step": "pdjax.api", "forward": "pdjax.api", "generate": "pdjax.api", "prefill": "pdjax.api",
+    "init_params": "pdjax.model.transformer",
+}
+
+
+def __getattr__(name):
+    if name in SUBPACKAGES:
+        return importlib.import_module(f"pdjax.{name}")
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'pdjax' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(SUBPACKAGES) | set(_LAZY))
+
 
 __all__ = [
     "ModelConfig", "RopeScaling", "KVCache", "configs", "decode_step", "forward", "generate",

@@ -1,9 +1,22 @@
 """Prefill/decode disaggregation on real meshes: PDEngine, ColocatedEngine, the paged decode
-pool, the layer-wise latent-KV handoff, and two-process serving (launch_two_process)."""
+pool, the layer-wise latent-KV handoff, and two-process serving (launch_two_process).
 
-from pdjax.disagg.engine import ColocatedEngine, PDEngine
-from pdjax.disagg.launcher import TwoProcessServer, launch_two_process
-from pdjax.disagg.request import Request, RequestError, SamplingParams
+The engines need jax (and the prefix store tensorstore): they load on first use, so the
+pure-Python parts (``pdjax.disagg.prefix_index``, shared with the serving simulator) import
+without them."""
+
+import importlib
+
+_LAZY = {"ColocatedEngine": "engine", "PDEngine": "engine", "TwoProcessServer": "launcher",
+         "launch_two_process": "launcher", "Request": "request", "RequestError": "request",
+         "SamplingParams": "request"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["ColocatedEngine", "PDEngine", "Request", "RequestError", "SamplingParams", "TwoProcessServer",
            "launch_two_process"]

@@ -1,1 +1,14 @@
-"""Pure-functional DeepSeek-V2/V3 model code (MLA, MoE, latent KV cache, HF loading)."""
+"""Pure-functional DeepSeek-V2/V3 model code (MLA, MoE, latent KV cache, HF loading).
+
+Modules (imported on first use): ``mla``, ``moe``, ``transformer``, ``cache``, ``paged``, ``hf``.
+"""
+
+import importlib
+
+MODULES = ("cache", "hf", "mla", "moe", "paged", "transformer")
+
+
+def __getattr__(name):
+    if name in MODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

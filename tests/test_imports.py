@@ -1,0 +1,38 @@
+"""The import surface: ``import pdjax`` reaches every subpackage, lazily; the pure-Python
+parts (schedules, analysis, the serving simulator) load neither jax nor tensorstore."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+HEAVY = ("jax", "jaxlib", "tensorstore", "orbax", "optax", "pdjax.model", "pdjax.parallel", "pdjax.disagg.engine")
+
+
+def _loaded_after(statement: str) -> set:
+    """Top-level names (and pdjax modules) in sys.modules after ``statement``, in a fresh interpreter."""
+    code = (f"import sys; {statement}; import json; "
+            "print(json.dumps(sorted(m for m in sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    return set(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+@pytest.mark.parametrize("module", ["pdjax", "pdjax.pipeline", "pdjax.analysis", "pdjax.sim"])
+def test_pure_python_parts_load_no_jax(module):
+    loaded = _loaded_after(f"import {module}")
+    assert module in loaded
+    assert not [m for m in HEAVY if m in loaded], sorted(m for m in HEAVY if m in loaded)
+
+
+def test_every_subpackage_is_an_attribute_of_pdjax():
+    import pdjax
+
+    for name in pdjax.SUBPACKAGES:
+        assert getattr(pdjax, name).__name__ == f"pdjax.{name}"
+        assert name in dir(pdjax)
+    assert callable(pdjax.analysis.report) and callable(pdjax.pipeline.build) and callable(pdjax.sim.simulate)
+    assert pdjax.disagg.PDEngine.__name__ == "PDEngine" and callable(pdjax.parallel.make_mesh)
+    assert callable(pdjax.model.transformer.layer) and callable(pdjax.init_params)
+    with pytest.raises(AttributeError, match="no attribute 'nonsense'"):
+        pdjax.nonsense
