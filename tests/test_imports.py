@@ -36,3 +36,20 @@ def test_every_subpackage_is_an_attribute_of_pdjax():
     assert callable(pdjax.model.transformer.layer) and callable(pdjax.init_params)
     with pytest.raises(AttributeError, match="no attribute 'nonsense'"):
         pdjax.nonsense
+
+
+def test_plots_leave_the_users_matplotlib_alone(tmp_path):
+    """Drawing a schedule (file or notebook PNG) neither switches the backend nor loads pyplot."""
+    code = f"""
+import sys, matplotlib
+matplotlib.use("svg")
+import pdjax.pipeline as pp
+t = pp.simulate(pp.build("dualpipe", 4, 8))
+pp.plot(t, {str(tmp_path / 'g.png')!r})
+assert t._repr_png_()[:4] == b"\\x89PNG"
+assert pp.build("1f1b", 2, 4)._repr_png_()[:4] == b"\\x89PNG"
+print(matplotlib.get_backend(), "matplotlib.pyplot" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["svg", "False"]
+    assert (tmp_path / "g.png").stat().st_size > 1000

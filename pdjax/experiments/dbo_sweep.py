@@ -31,10 +31,9 @@ def run_dbo_sweep(cfg: dict, out_dir: str) -> dict:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 4))
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
     for a in sweep["attn_shares"]:
         pts = [(r["comm_over_compute"], r["gain"]) for r in rows if r["attn_share"] == a]
         ax.plot(*zip(*pts), marker="o", label=f"attention share {a:g}")
@@ -46,7 +45,6 @@ def run_dbo_sweep(cfg: dict, out_dir: str) -> dict:
     ax.legend()
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "dbo_gain.png"), dpi=120)
-    plt.close(fig)
     best = max(rows, key=lambda r: r["gain"])
     at_one = [r for r in rows if r["comm_over_compute"] == 1.0 and r["attn_share"] == 0.5]
     headline = (f"DBO gain peaks at {best['gain']:.2f}x (comm:compute {best['comm_over_compute']:g}, "

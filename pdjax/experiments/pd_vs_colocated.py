@@ -122,10 +122,9 @@ def run_pd_vs_colocated(cfg: dict, out_dir: str) -> dict:
 
 
 def _plot(summary, long_arrivals, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 3.5))
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(8, 3.5))
+    ax = fig.subplots()
     for name, style in (("colocated", "tab:red"), ("colocated_chunked", "tab:orange"), ("pd", "tab:blue")):
         pts = summary.get(name, {}).get("series")
         if pts:
@@ -139,4 +138,3 @@ def _plot(summary, long_arrivals, path):
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)

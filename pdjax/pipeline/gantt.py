@@ -1,4 +1,5 @@
-"""Gantt charts of simulated schedules (matplotlib, Agg backend).
+"""Gantt charts of simulated schedules (matplotlib Figures, drawn without pyplot: the user's
+backend and figure state are never touched).
 
 One row per rank, time on the x axis, a colour per op kind; an overlapped F&B pair is
 drawn half forward colour (top) and half backward colour (bottom), as in the DualPipe
@@ -12,14 +13,11 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-import matplotlib
+from matplotlib.colors import to_rgb
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.colors import to_rgb  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
-
-from .ops import OVERLAP  # noqa: E402
+from .ops import OVERLAP
 
 COLORS = {"F": "#f2a33a", "B": "#4c9be8", "I": "#2bb3a3", "W": "#8cc152"}
 _LABEL_LIMIT = 3000  # ops; beyond this, cells are too small to label
@@ -43,7 +41,7 @@ def draw(timeline, ax=None, title: str | None = None):
     num_ranks = sched.num_ranks
     if ax is None:
         width = min(max(8.0, timeline.makespan * 0.35), 28.0)
-        _, ax = plt.subplots(figsize=(width, 0.45 * num_ranks + 1.2))
+        ax = Figure(figsize=(width, 0.45 * num_ranks + 1.2)).subplots()
     fig = ax.figure
     label = sched.num_ops <= _LABEL_LIMIT
     bars: dict[tuple, list] = {}
@@ -98,7 +96,6 @@ def plot(timeline_or_schedule, path=None, **simulate_kwargs):
         if path.suffix.lower() not in (".png", ".svg", ".pdf"):
             raise ValueError(f"plot path must end in .png, .svg or .pdf, got {str(path)!r}")
         fig.savefig(path, dpi=150)
-        plt.close(fig)
     return fig
 
 
@@ -107,5 +104,4 @@ def timeline_png(timeline) -> bytes:
     fig = draw(timeline)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
     return buf.getvalue()

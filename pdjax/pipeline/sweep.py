@@ -141,13 +141,11 @@ def _summary(rows, cfg, csv_path, plot_path) -> dict:
 
 
 def _plot(rows, cfg, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     stages = cfg["num_stages"]
-    fig, axes = plt.subplots(1, len(stages), figsize=(4.2 * len(stages), 3.8), squeeze=False, sharey=True)
+    fig = Figure(figsize=(4.2 * len(stages), 3.8))
+    axes = fig.subplots(1, len(stages), squeeze=False, sharey=True)
     for ax, p in zip(axes[0], stages):
         for name in cfg["schedules"]:
             pts = [(r.microbatches, r.bubble_ratio) for r in rows if r.P == p and r.schedule == name and not r.note]
@@ -164,4 +162,3 @@ def _plot(rows, cfg, path: Path) -> None:
     axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -81,11 +81,10 @@ def _write_csv(rows, path):
         w.writerows(rows)
 
 
-def _plt():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
+def _figure(**kwargs):
+    """A matplotlib Figure, drawn without pyplot (no global backend or figure state)."""
+    from matplotlib.figure import Figure
+    return Figure(**kwargs)
 
 
 def _report(out_dir, name, title, headline, rows, notes=""):
@@ -126,8 +125,8 @@ def run_colocated_vs_pd(cfg: dict, out_dir: str) -> dict:
                                       target=target)["rate"]
             for label, dep in (("colocated", colo), (f"{p}P{n - p}D", pd))}
     _write_csv(rows, os.path.join(out_dir, "colocated_vs_pd.csv"))
-    plt = _plt()
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig = _figure(figsize=(10, 4))
+    axes = fig.subplots(1, 2)
     for label in best:
         pts = [r for r in rows if r["deployment"] == label]
         axes[0].plot([r["rate"] for r in pts], [r["goodput_rps"] for r in pts], marker="o", label=label)
@@ -141,7 +140,6 @@ def run_colocated_vs_pd(cfg: dict, out_dir: str) -> dict:
     fig.suptitle(f"{n} instances of {ep} x {hw.name}: colocated vs PD (TTFT {slo.ttft:g} s, TPOT {slo.tpot * 1e3:g} ms)")
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "colocated_vs_pd.png"), dpi=110)
-    plt.close(fig)
     (lc, rc), (lp, rp) = best.items()
     headline = (f"highest rate with {target:.0%} SLO attainment on {n} instances: {lc} {rc:.2f} req/s, "
                 f"{lp} {rp:.2f} req/s ({(rp / rc - 1) * 100 if rc else math.inf:+.0f} % for PD)")
@@ -161,15 +159,14 @@ def run_pd_ratio_sweep(cfg: dict, out_dir: str) -> dict:
     rows = pd_ratio_sweep(spec, cost, total, slo, prefill_counts=counts, lo=lo, hi=hi,
                           target=target, pd_kwargs=_pd_kwargs(cfg, link), duration=_duration(cfg))
     _write_csv(rows, os.path.join(out_dir, "pd_ratio_sweep.csv"))
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = _figure(figsize=(7, 4))
+    ax = fig.subplots()
     ax.bar(range(len(rows)), [r["max_rate"] for r in rows], color="tab:blue")
     ax.set_xticks(range(len(rows)), [r["label"] for r in rows])
     ax.set_ylabel(f"highest rate at {target:.0%} SLO attainment (req/s)")
     ax.set_title(f"P:D sweep, {total} instances of {ep} x {hw.name}")
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "pd_ratio_sweep.png"), dpi=110)
-    plt.close(fig)
     best = max(rows, key=lambda r: (r["max_rate"], -r["P"]))
     headline = (f"best P:D on {total} instances: {best['label']} sustains {best['max_rate']:.2f} req/s "
                 f"at {target:.0%} SLO attainment (range {min(r['max_rate'] for r in rows):.2f}-"
@@ -212,8 +209,8 @@ def run_afd_ratio_sweep(cfg: dict, out_dir: str) -> dict:
         r["speedup_vs_plain_decode"] = r["output_tok_s_per_decode_instance"] / b_tok if b_tok else math.nan
         r["attention_share"] = attention_share(r["M"], r["N"])
     _write_csv(rows, os.path.join(out_dir, "afd_ratio_sweep.csv"))
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = _figure(figsize=(7, 4))
+    ax = fig.subplots()
     xs = range(len(rows))
     ax.bar(xs, [r["output_tok_s_per_decode_instance"] for r in rows], color="tab:green",
            label=f"AF unit, m = {m}")
@@ -225,7 +222,6 @@ def run_afd_ratio_sweep(cfg: dict, out_dir: str) -> dict:
     ax.legend()
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "afd_ratio_sweep.png"), dpi=110)
-    plt.close(fig)
     best = max(rows, key=lambda r: r["output_tok_s_per_decode_instance"])
     headline = (f"best AF ratio {best['label']} (m = {m}): {best['output_tok_s_per_decode_instance']:.0f} "
                 f"output tok/s per decode-side instance, {best['speedup_vs_plain_decode']:.2f}x plain decode "
@@ -266,8 +262,8 @@ def run_link_bandwidth(cfg: dict, out_dir: str) -> dict:
                      "gain": best["rate"] / colo if colo else math.nan,
                      "kv_wait_p90": s.get("kv_wait_p90", math.nan), "link_utilisation": s["link_utilisation"]})
     _write_csv(rows, os.path.join(out_dir, "link_bandwidth.csv"))
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = _figure(figsize=(7, 4))
+    ax = fig.subplots()
     xs = [r["link_gbps_per_gpu"] for r in rows]
     ax.plot(xs, [r["gain"] for r in rows], "o-", label="PD / colocated highest SLO rate")
     ax.axhline(1.0, color="grey", ls="--", lw=1)
@@ -282,7 +278,6 @@ def run_link_bandwidth(cfg: dict, out_dir: str) -> dict:
     ax.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "link_bandwidth.png"), dpi=110)
-    plt.close(fig)
     hi_r, lo_r = max(rows, key=lambda r: r["link_gbps_per_gpu"]), min(rows, key=lambda r: r["link_gbps_per_gpu"])
     at50 = [r for r in rows if r["link_gbps_per_gpu"] == 50.0]
     ref = at50[0] if at50 else hi_r
@@ -316,8 +311,8 @@ def run_prefix_cache_capacity(cfg: dict, out_dir: str) -> dict:
                      "ttft_p90": s["ttft_p90"], "util_prefill": s["util_prefill"],
                      "evicted_blocks": cache.evicted, "slo_attainment": s["slo_attainment"]})
     _write_csv(rows, os.path.join(out_dir, "prefix_cache_capacity.csv"))
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = _figure(figsize=(7, 4))
+    ax = fig.subplots()
     xs = [max(r["capacity_tokens"], bs) for r in rows]
     ax.plot(xs, [r["prefix_hit_rate"] for r in rows], "o-", label="prompt tokens served from cache")
     ax.set_xscale("log")
@@ -329,7 +324,6 @@ def run_prefix_cache_capacity(cfg: dict, out_dir: str) -> dict:
     ax.set_title(f"Prefix cache, {p}P{n - p}D, block {bs} tokens")
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "prefix_cache_capacity.png"), dpi=110)
-    plt.close(fig)
     top, zero = rows[-1], rows[0]
     headline = (f"prefix hit rate rises from {zero['prefix_hit_rate']:.1%} to {top['prefix_hit_rate']:.1%} "
                 f"as the store grows to {top['capacity_tokens']:,} tokens; TTFT P90 "
