@@ -7,8 +7,9 @@ backend, and report the error on held-out shapes (target: median <= 10 %):
 Prefill protocol (pdjax.analysis.calibrate): a cache of c + q positions is filled with a
 real prefix of c tokens by chunked prefill, then a chunk of q tokens continuing from it is
 timed (block_until_ready), compilation and warm-up excluded, repeats interleaved over the
-shapes in shuffled rounds. The same measurements are fitted four ways: the brief's
-three-term form and with a constant d, each on the median and on the min of the repeats.
+shapes in shuffled rounds. The same measurements are fitted four ways: the source
+articles' three-term form and with a constant d, each on the median and on the min of the
+repeats.
 Column "MoE C": rows per expert of the bucketed MoE (the CPU default), ceil(1.25 * 2q / 16).
 
 Decode protocol (pdjax.analysis.calibrate_decode): B requests of L cached tokens each in a

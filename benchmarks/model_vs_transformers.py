@@ -20,7 +20,7 @@ the two sides interleaved within each repeat so machine noise hits both alike):
     model.generate(do_sample=False, min/max_new_tokens=steps+1), reported per decode step as
     (generate total - prefill median) / steps.
 
-Targets (issue #2): pdjax decode step <= 0.5 x transformers', pdjax prefill <= 1.0 x.
+Targets: pdjax decode step <= 0.5 x transformers', pdjax prefill <= 1.0 x.
 
 The transformers side needs the optional extra ``pip install -e .[torch]`` (torch==2.13.0 CPU
 and transformers). Without it only the pdjax side is printed, with a note, and the script

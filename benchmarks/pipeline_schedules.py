@@ -1,6 +1,6 @@
 """Benchmark: build, validate and simulate pipeline schedules; cost vs number of ops.
 
-Prints a table and a fit (no assertions). The target from issue 3: DualPipe with 64 ranks
+Prints a table and a fit (no assertions). The target: DualPipe with 64 ranks
 and 1,024 micro-batches built, validated and simulated in under 2 s; cost linear in ops.
 
 For each size the best (minimum) of ``--repeats`` runs is kept: the dev machine has 2

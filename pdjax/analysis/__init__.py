@@ -4,13 +4,14 @@
     pdjax.analysis.machine_balance(hw, dtype="bf16")  # FLOP per byte
     pdjax.analysis.kv_bytes_per_token(cfg, dtype_bytes=2, attention="mla")  # or mha, gqa, mqa
     pdjax.analysis.bubble_ratio_1f1b(num_stages, num_microbatches)
-    pdjax.analysis.report(cfg, hw)                    # the whole sheet, printed and returned
+    print(pdjax.analysis.report(cfg, hw))             # the whole sheet (returned; verbose=True prints)
 
 Modules: ``units`` (GB vs GiB), ``hardware`` (presets, registry), ``params`` (total and
 active parameter counts), ``roofline`` (intensity, machine balance), ``kv`` (KV bytes,
 C_max, handoff), ``moe`` (k/E bound, EP weight bytes), ``afd`` (ping-pong bound, speedup),
 ``bubbles`` (1F1B), ``published`` (deployment facts used as inputs), ``report``.
-See docs/analysis.md for the formulas and the assumptions behind the brief's figures.
+See docs/analysis.md for the formulas and the assumptions behind the reference figures
+(the worked results of the source articles, recomputed in tests/analysis).
 """
 
 from pdjax.analysis.afd import (afd_min_microbatches, afd_min_microbatches_int, afd_speedup,

@@ -5,7 +5,7 @@ seconds. The three terms are the causal attention within the chunk (q^2), attent
 prefix (q c) and everything linear in tokens (projections, MLP, experts: q). The optional
 constant ``d`` (``intercept=True``) absorbs a fixed per-call cost (dispatch, kernel
 launches, a weight read that does not grow with q); it is off by default, as in the
-brief's three-term model.
+three-term model of the source articles (DeepSeek's prefill scheduler).
 
 Least squares with non-negative coefficients (NNLS), so that the cost is monotone in q
 and c: with at most four unknowns the exact NNLS optimum is found by solving the

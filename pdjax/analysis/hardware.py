@@ -195,7 +195,8 @@ _PRESETS = [
         (("peak_bf16_flops", f"{_NV_A100}: BF16 312 TFLOPS dense (624 with sparsity)"),
          ("peak_fp8_flops", "A100 has no FP8 tensor-core support: no figure"),
          ("hbm_bytes", f"{_NV_A100}: 80GB HBM2e"),
-         ("hbm_bw", f"{_NV_A100}: 2,039GB/s (MegaScale-Infer and the brief round it to 2 TB/s)"),
+         ("hbm_bw", f"{_NV_A100}: 2,039GB/s (MegaScale-Infer and the source articles round it "
+                    "to 2 TB/s)"),
          ("scale_up_bw", f"{_NV_A100}: NVLink 600GB/s (bidirectional) -> 300 GB/s per direction"),
          ("scale_out_bw", "DGX A100: one 200 Gb/s HDR InfiniBand NIC per GPU -> 25 GB/s"))),
     HardwareSpec(

@@ -90,7 +90,7 @@ def concurrency_bound(free_memory: float, context_len: int, kv_bytes_per_token: 
 
     ``free_memory`` = M_total - M_weights - M_act, as a number in ``unit`` ("B", "GB",
     "GiB", ...): the unit is required because "75 GB" and "75 GiB" differ by 7.4 %, which
-    is the brief's 3.76 (decimal) vs 4.04 (binary) sequences. ``kv_bytes_per_token`` is in
+    is the source articles' 3.76 (decimal) vs 4.04 (binary) sequences. ``kv_bytes_per_token`` is in
     bytes. Returns a (fractional) number of sequences."""
     free = check_nonnegative("free_memory", free_memory) * unit_bytes(unit)
     check_positive_int("context_len", context_len)
@@ -130,7 +130,7 @@ def kv_handoff_time(context_len: int, kv_bytes_per_token: float, link_bw: float)
 
 def prefill_compute_time(context_len: int, active_params: float, peak_flops: float) -> float:
     """Seconds of weight FLOPs to prefill ``context_len`` tokens at peak:
-    2 * N_a * S / R_peak (the S^2 attention FLOPs are left out, as in the brief)."""
+    2 * N_a * S / R_peak (the S^2 attention FLOPs are left out, as in the source articles)."""
     check_positive_int("context_len", context_len)
     check_positive("active_params", active_params)
     check_positive("peak_flops", peak_flops)

@@ -59,7 +59,7 @@ def ep_weight_bytes_per_gpu(cfg: ModelConfig, ep_size: int, dtype_bytes: float =
     """Weight bytes each of ``ep_size`` expert-parallel ranks holds (``dtype_bytes`` per
     parameter, fp8 = 1).
 
-    ``layout="even"``: the whole model split evenly, total * p / EP: the brief's
+    ``layout="even"``: the whole model split evenly, total * p / EP: the source articles'
     671 GB / 144 = 4.7 GB. ``layout="replicated"``: routed experts split over EP, everything
     else (attention, shared experts, dense layers, embeddings: data-parallel in DeepSeek's
     decode deployment) replicated on every rank: routed * p / EP + non_routed * p

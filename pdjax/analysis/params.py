@@ -12,7 +12,7 @@ Conventions (checked against the published figures in ``tests/analysis``):
   V2: 20.85e9 ("21B"); V2-Lite: 2.451e9 ("2.4B", truncated). Counting the input embedding
   too (``active_with_embedding``) gives 37.55e9 / 21.38e9 / 2.66e9, which misses V3's
   "37B"; leaving out the head as well gives 35.70e9 / 20.33e9 / 2.24e9, which misses both.
-  The brief's N_a = 37 B is this ``active`` count.
+  DeepSeek-V3's published N_a = 37 B is this ``active`` count.
 * ``mtp`` counts ``mtp_layers`` MTP modules (DeepSeek-V3 has one; ModelConfig does not
   carry the field, so pass it): each is one MoE decoder layer plus its projection
   ``eh_proj`` (2D x D) and three RMSNorms; it shares the embedding and head with the main

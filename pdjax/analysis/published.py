@@ -1,7 +1,8 @@
 """Published deployment facts used as *inputs* by the analysis (never as answers).
 
 Each figure is what a source reports about a deployment or an experiment, with the
-source next to it. The brief's worked results are computed from these, the model configs
+source next to it. The reference figures (the worked results of the source articles,
+recomputed in tests/analysis) are computed from these, the model configs
 (``pdjax.configs``) and the hardware presets (``pdjax.analysis.hardware``).
 """
 
@@ -68,8 +69,9 @@ class AFDSpeedupExample:
 
 FASTAFD_EXAMPLE = AFDSpeedupExample(
     batch_gain=1.50, step_time_gain=1.15, attention_share=0.85,
-    source=("vLLM AFD Plugin / FastAFD talk (seed article 004, sec. 6): resident-request gain "
-            "1.50, full-step latency ratio 1.15, FFN node tax M/(M+N) 0.85; measured 1.35-1.45x"),
+    source=("vLLM AFD Plugin / FastAFD talk (Chinese write-up of the vLLM AFD/FastAFD "
+            "lesson, sec. 6): resident-request gain 1.50, full-step latency ratio 1.15, "
+            "FFN node tax M/(M+N) 0.85; measured 1.35-1.45x"),
 )
 
 
@@ -104,7 +106,7 @@ class DecodeBatchMeasurement:
 QWEN3_GB200_COLOCATED = DecodeBatchMeasurement(
     model="Qwen3-235B-A22B-FP8", hardware="gb200", kv_token_capacity=808_704,
     context_len=2 * 1024, moe_mfu=0.28,
-    source=("FastAFD talk (seed article 004, sec. 1, slide 20): colocated decode on GB200 NVL72, "
-            "'KV cache limit 808,704 tokens per rank'; MoE FFN MFU 28 % at 2K (B = 395), "
-            "0.5 % at 128K (B = 6), measured"),
+    source=("FastAFD talk (Chinese write-up of the vLLM AFD/FastAFD lesson, sec. 1, slide 20): "
+            "colocated decode on GB200 NVL72, 'KV cache limit 808,704 tokens per rank'; "
+            "MoE FFN MFU 28 % at 2K (B = 395), 0.5 % at 128K (B = 6), measured"),
 )

@@ -39,6 +39,11 @@ class Report:
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def _repr_html_(self) -> str:
+        import html
+
+        return f"<pre>{html.escape(str(self))}</pre>"
+
     def __str__(self) -> str:
         lines = [f"pdjax analysis: {self.model} on {self.hardware}"]
         for name in self.SECTIONS:
@@ -80,8 +85,9 @@ def report(cfg: ModelConfig, hw: HardwareLike, *, context_len: int = 4096,
            ep_layout: str = "even", act_bytes: float = 0.0, link: str = "scale_out",
            num_kv_groups: Optional[int] = None, pipeline_stages: int = 16,
            microbatches: Sequence[int] = (16, 32, 64, 128, 256), bubble_target: float = 0.1,
-           verbose: bool = True) -> Report:
-    """Compute the analysis sheet of ``cfg`` on ``hw`` and (``verbose``) print it.
+           verbose: bool = False) -> Report:
+    """Compute the analysis sheet of ``cfg`` on ``hw``; returns it (``print(sheet)`` or
+    ``verbose=True`` prints it; in a notebook it displays as a table).
 
     ``context_len`` S for the concurrency bound; ``handoff_context_len`` for the P->D KV
     transfer; weights held as ``weight_dtype_bytes`` per param split over ``ep_size``

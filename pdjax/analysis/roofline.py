@@ -31,7 +31,7 @@ def weight_intensity(batch_tokens: float, dtype_bytes: float = 2) -> float:
 
 def machine_balance(hw: HardwareLike, dtype: str = "bf16") -> float:
     """A* = dense peak FLOP/s of ``dtype`` / HBM bytes/s (FLOP per byte).
-    H100 SXM: 295 (bf16), 591 (fp8); A100: 153 (156 with the brief's 2 TB/s); H200: 206."""
+    H100 SXM: 295 (bf16), 591 (fp8); A100: 153 (156 with MegaScale-Infer's 2 TB/s); H200: 206."""
     hw = hardware(hw)
     dtype = normalise_dtype(dtype)
     return hw.peak_flops(dtype) / hw.require("hbm_bw", "machine balance")
@@ -66,7 +66,7 @@ def compute_bound_batch(hw: HardwareLike, dtype: str = "bf16",
 def attention_flops_per_token(cfg: ModelConfig, context_len: int) -> int:
     """FLOPs of one new token attending to ``context_len`` cached tokens:
     2 * n_h * S * (d_qk + d_v) (= 4 n_h d_h S with d_h = 128; RoPE dims left out as in
-    the brief, so every attention kind does the same FLOPs)."""
+    the source articles, so every attention kind does the same FLOPs)."""
     check_positive("context_len", context_len)
     return 2 * cfg.num_attention_heads * context_len * (cfg.qk_nope_head_dim + cfg.v_head_dim)
 

@@ -6,10 +6,10 @@ bytes/s. Sizes are only converted at the edge, and the unit is always named:
 * decimal: ``"KB"`` = 1e3, ``"MB"`` = 1e6, ``"GB"`` = 1e9, ``"TB"`` = 1e12 bytes;
 * binary: ``"KiB"`` = 2**10, ``"MiB"`` = 2**20, ``"GiB"`` = 2**30, ``"TiB"`` = 2**40 bytes.
 
-Vendors label HBM capacity and link speeds in decimal units (GB, GB/s, TB/s); the brief's
-memory sheet is in decimal units too. Mixing the two in one computation is the error the
-brief warns about (C_max 3.76 vs 4.04), so every function that accepts a size in a unit
-other than bytes takes the unit as an explicit argument.
+Vendors label HBM capacity and link speeds in decimal units (GB, GB/s, TB/s); the memory
+arithmetic of the source articles is in decimal units too. Mixing the two in one
+computation is the error they warn about (C_max 3.76 vs 4.04), so every function that
+accepts a size in a unit other than bytes takes the unit as an explicit argument.
 """
 
 from __future__ import annotations

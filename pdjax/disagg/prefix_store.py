@@ -1,4 +1,5 @@
-"""Cross-request prefix KV store for the PD engine (brief section 3, path (b)).
+"""Cross-request prefix KV store for the PD engine (cross-request prefix reuse through
+a shared store, as opposed to the in-request P->D KV handoff).
 
 Latent KV in full blocks of ``block_size`` tokens, keyed by the hash chain over token ids
 (:func:`pdjax.disagg.prefix_index.token_chain_hashes`). A block holds every layer's latent

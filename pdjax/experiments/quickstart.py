@@ -21,7 +21,7 @@ from pdjax.experiments.runner import with_defaults
 DEFAULTS = {
     "model": {"preset": "tiny", "seed": 0},
     "workload": {"batch": 4, "prompt_len": 32, "max_new_tokens": 16, "seed": 1},
-    # DeepSeek's production decode setting (BRIEF sections 1-2): V3, fp8 weights over EP144,
+    # DeepSeek's production decode setting (as in docs/analysis.md): V3, fp8 weights over EP144,
     # H800, mean KV length 4,989.
     "analysis": {"preset": "deepseek_v3", "hardware": "h800", "context_len": 4989,
                  "weight_dtype_bytes": 1, "compute_dtype": "fp8", "ep_size": 144},

@@ -218,18 +218,22 @@ def test_kv_order_and_intensity_duality(groups):
 
 # ---- report and quick-start section --------------------------------------------------
 
-def test_report_returns_data_and_prints(capsys):
+def test_report_returns_data_and_prints_only_when_asked(capsys):
     v3 = pdjax.configs.deepseek_v3()
     sheet = A.report(v3, "h800", context_len=4989, ep_size=144, weight_dtype_bytes=1,
                      num_kv_groups=8)
+    assert capsys.readouterr().out == ""                  # a library call does not print
+    A.report(v3, "h800", context_len=4989, ep_size=144, weight_dtype_bytes=1, num_kv_groups=8,
+             verbose=True)
     printed = capsys.readouterr().out
     assert "machine_balance_bf16_flop_per_B" in printed and "c_max_mla" in printed
+    assert printed.strip() == str(sheet).strip() and "c_max_mla" in sheet._repr_html_()
     d = sheet.as_dict()
     assert set(A.Report.SECTIONS) <= set(d)
     assert d["attention"]["mla_kv_per_token_B"] == 70272
     assert "gqa8_kv_per_token_B" in d["attention"]
     assert d["memory"]["free_GiB"] == pytest.approx(d["memory"]["free_GB"] * GB / GiB)
-    assert round(d["memory"]["c_max_mla"]) == 215  # 75.34 GB free: the brief floors to 75 -> 214
+    assert round(d["memory"]["c_max_mla"]) == 215  # 75.34 GB free; floored to 75 as published -> 214
     assert d["pipeline"]["microbatches_for_bubble_below_0.1"] == 136
     assert str(sheet).count("\n") > 30
 

@@ -1,9 +1,11 @@
-"""Every italic figure of BRIEF.md sections 1, 2, 4 and 5 (and 3's 144/32), recomputed.
+"""Every reference figure, recomputed: the worked results of the source articles on the
+roofline, KV accounting, AF disaggregation and pipeline bubbles, plus DeepSeek's EP 144/32
+ratio (the table in docs/analysis.md lists them with their inputs and assumptions).
 
 Inputs come only from model configs (``pdjax.configs``), hardware presets
 (``pdjax.analysis.hardware``) and the published deployment facts in
-``pdjax.analysis.published``. A literal in an assertion is the brief's own rounded figure,
-compared at the precision the brief prints it (``published``). Where the brief rounds an
+``pdjax.analysis.published``. A literal in an assertion is the source articles' own rounded
+figure, compared at the precision they print it (``published``). Where they round an
 *input* (A100's 2,039 GB/s -> 2 TB/s, 75.34 GB free -> 75 GB), the test applies that
 rounding to the preset value explicitly and says so.
 """
@@ -18,10 +20,10 @@ from pdjax.analysis.units import GB, MB, TB, GiB, KiB, MiB
 
 
 def published(value: float, figure: float, decimals: int) -> None:
-    """The brief prints ``figure``: ``value`` rounded to ``decimals`` places (either
+    """The source prints ``figure``: ``value`` rounded to ``decimals`` places (either
     half-rounding rule)."""
     tol = 0.5 * 10 ** -decimals + 1e-9
-    assert abs(value - figure) <= tol, f"{value!r} does not round to the brief's {figure}"
+    assert abs(value - figure) <= tol, f"{value!r} does not round to the published {figure}"
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +57,8 @@ def test_machine_balance_h100(h100):
 
 def test_machine_balance_a100_with_the_brief_rounding():
     a100 = A.hardware("a100")
-    # The preset holds the datasheet's 2,039 GB/s (A* = 153); MegaScale-Infer and the brief
-    # round it to 2 TB/s, which gives their 156.
+    # The preset holds the datasheet's 2,039 GB/s (A* = 153); MegaScale-Infer and the source
+    # articles round it to 2 TB/s, which gives their 156.
     published(A.machine_balance(a100), 153, 0)
     rounded = a100.replace(hbm_bw=round(a100.hbm_bw / TB) * TB)
     published(A.machine_balance(rounded), 156, 0)
@@ -119,8 +121,8 @@ def test_ep144_weight_share(v3):
 
 
 def _brief_free_memory(v3, h800):
-    """The brief's 'about 75 GB free': H800 HBM minus the EP144 weight share (75.34 GB),
-    rounded down to whole units (equivalently, M_act = 0.34 GB)."""
+    """The source articles' 'about 75 GB free': H800 HBM minus the EP144 weight share
+    (75.34 GB), rounded down to whole units (equivalently, M_act = 0.34 GB)."""
     serving = A.DEEPSEEK_V3_SERVING
     weights = A.ep_weight_bytes_per_gpu(v3, serving.decode_ep, serving.weight_dtype_bytes)
     free = A.free_memory_bytes(h800.hbm_bytes, weights, act_bytes=0)
@@ -146,8 +148,8 @@ def test_concurrency_bound_binary_reading(v3, h800):
     mha_kv = A.kv_bytes_per_token(v3, 2, "mha")
     # The same nominal "75" read as GiB, with the KV in GiB: 76,800 MiB / 18.58 GiB.
     published(free * GiB / MiB, 76_800, 0)
-    # 18.5748 GiB per request (the seed article prints 18.58, a double rounding; the brief
-    # quotes only the resulting 4.04)
+    # 18.5748 GiB per request (the source article prints 18.58, a double rounding; the
+    # reference figure is the resulting 4.04)
     published(A.kv_bytes_per_sequence(v3, s, 2, "mha") / GiB, 18.57, 2)
     published(A.concurrency_bound(free, s, mha_kv, unit="GiB"), 4.04, 2)
     both = A.concurrency_bound_both_units(free, s, mha_kv)
@@ -159,7 +161,7 @@ def test_kv_handoff_time(v3, h800):
     context = 32 * 1024
     ib = A.kv_handoff_time(context, kv, h800.scale_out_bw)
     nvlink = A.kv_handoff_time(context, kv, h800.scale_up_bw)
-    # 46.05 ms exactly: the article prints 46.0 (truncated; rounding gives 46.1).
+    # 46.05 ms exactly: the source article prints 46.0 (truncated; rounding gives 46.1).
     assert math.floor(ib * 1e4) / 10 == 46.0
     assert abs(ib * 1e3 - 46.0) < 0.1
     published(nvlink * 1e3, 14.4, 1)
@@ -168,7 +170,7 @@ def test_kv_handoff_time(v3, h800):
 def test_handoff_to_prefill_ratio(v3, h800):
     kv = A.kv_bytes_per_token(v3, 2, "mla")
     n_active = A.param_counts(v3).active
-    published(n_active / 1e9, 37, 0)                            # the brief's N_a
+    published(n_active / 1e9, 37, 0)                            # DeepSeek-V3's published N_a
     peak, ib = h800.peak_flops("bf16"), h800.scale_out_bw
     ratio = A.handoff_to_prefill_ratio(kv, n_active, peak, ib)
     published(100 * ratio, 1.9, 1)

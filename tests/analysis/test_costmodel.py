@@ -1,7 +1,8 @@
 """The cost model: roofline op costs, the fitted prefill cost and its inverse, calibration.
 
-Figures from BRIEF.md are recomputed from configs and presets (never typed in as inputs);
-a literal is only the brief's rounded result, compared at the precision it is printed.
+Reference figures (the source articles' worked results, see docs/analysis.md) are
+recomputed from configs and presets (never typed in as inputs); a literal is only the
+published rounded result, compared at the precision it is printed.
 """
 
 import dataclasses
@@ -34,10 +35,10 @@ def test_kv_transfer_reproduces_brief(v3_h800, v3):
     assert v3_h800.kv_bytes_per_token() == A.kv_bytes_per_token(v3, dtype_bytes=2)
     t50 = v3_h800.kv_transfer_time(32768, 50 * GB)
     assert t50 == pytest.approx(A.kv_handoff_time(32768, A.kv_bytes_per_token(v3), 50 * GB))
-    # 46.05 ms: the article prints 46.0 (truncated), as in test_analysis_brief
+    # 46.05 ms: the source article prints 46.0 (truncated), as in test_analysis_brief
     assert math.floor(t50 * 1e4) / 10 == 46.0 and abs(t50 * 1e3 - 46.0) < 0.1
     assert round(v3_h800.kv_transfer_time(32768, 160 * GB) * 1e3, 1) == 14.4
-    # the link of the brief is the H800's scale-out (IB) figure
+    # the source articles' 50 GB/s link is the H800's scale-out (IB) figure
     assert v3_h800.kv_transfer_time(32768, A.hardware("h800").scale_out_bw) == t50
     assert v3_h800.kv_transfer_time(0, 50 * GB) == 0.0
     slow = A.RooflineCostModel(v3, "h800", efficiency=A.Efficiency(network=0.5))
@@ -67,15 +68,15 @@ def test_decode_needs_about_balance_batch_to_leave_memory_bound(v3):
 
 def test_prefill_large_q_is_compute_bound(v3_h800, v3):
     """A 32,768-token prefill is compute-bound in every layer op, and at least the weight
-    FLOPs 2 N_a S / R_peak of the brief (attention's S^2 work comes on top)."""
+    FLOPs 2 N_a S / R_peak of the source articles (attention's S^2 work comes on top)."""
     ops = v3_h800.op_costs(chunks=[(32768, 0)])
     for name in ("attention", "dense_mlp", "moe_experts"):
         assert ops[name].bound == "compute", name
     t = v3_h800.prefill_step_time([(32768, 0)])
     counts = A.param_counts(v3)
     assert t >= A.prefill_compute_time(32768, counts.active, v3_h800.peak_flops)
-    # the handoff is then a small fraction of the prefill, as in the brief (~1.9 % of the
-    # weight FLOPs alone)
+    # the handoff is then a small fraction of the prefill, as in the source articles (~1.9 %
+    # of the weight FLOPs alone)
     assert v3_h800.kv_transfer_time(32768, 50 * GB) / t < A.handoff_to_prefill_ratio(
         A.kv_bytes_per_token(v3), counts.active, v3_h800.peak_flops, 50 * GB)
 

@@ -11,7 +11,7 @@ costs = st.floats(0.1, 3.0, allow_nan=False, allow_infinity=False)
 
 
 def test_brief_1f1b_ratios():
-    """BRIEF section 5: P = 16, m in 16..256 -> 48.4 %, 31.9 %, 19.0 %, 10.5 %, 5.5 %."""
+    """Published 1F1B figures: P = 16, m in 16..256 -> 48.4 %, 31.9 %, 19.0 %, 10.5 %, 5.5 %."""
     p = 16
     expected = {16: 48.4, 32: 31.9, 64: 19.0, 128: 10.5, 256: 5.5}
     for m, pct in expected.items():
