@@ -1,4 +1,8 @@
-"""Command line: ``pdjax run experiments/quickstart.toml`` (also ``python -m pdjax``)."""
+"""Command line (also ``python -m pdjax``):
+
+    pdjax run experiments/quickstart.toml [--set table.key=value ...] [--runs-dir runs]
+    pdjax list [experiments]
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,10 @@ def main(argv=None) -> int:
     p_run = sub.add_parser("run", help="run an experiment config (TOML)")
     p_run.add_argument("config", help="path to an experiments/*.toml file")
     p_run.add_argument("--runs-dir", default="runs", help="where run directories go (default: runs)")
+    p_run.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE",
+                       help="override a config value (TOML syntax: 8, 0.5, true, [1, 2], \"1f1b\"); repeatable")
+    p_list = sub.add_parser("list", help="list the experiment configs, one line each")
+    p_list.add_argument("directory", nargs="?", default="experiments")
     sub.add_parser("serve", add_help=False,
                    help="one role of the two-process PD server (see pdjax serve --help)")
     args, rest = parser.parse_known_args(argv)
@@ -26,10 +34,21 @@ def main(argv=None) -> int:
     if args.command == "serve":
         from pdjax.disagg.serve import main as serve
         return serve(rest)
+    if args.command == "list":
+        from pdjax.experiments.runner import list_experiments
+        try:
+            rows = list_experiments(args.directory)
+        except FileNotFoundError:
+            print(f"pdjax: no directory {args.directory}", file=sys.stderr)
+            return 2
+        width = max((len(r[0]) for r in rows), default=0)
+        for path, kind, description in rows:
+            print(f"{path:<{width}}  {kind:<22} {description}")
+        return 0
     if args.command == "run":
         from pdjax.experiments.runner import run
         try:
-            out_dir, _ = run(args.config, args.runs_dir)
+            out_dir, _ = run(args.config, args.runs_dir, args.set)
         except (ValueError, FileNotFoundError) as e:
             print(f"pdjax: {e}", file=sys.stderr)
             return 2

@@ -98,3 +98,36 @@ def test_pd_vs_colocated_small(tmp_path):
     assert summary["colocated"]["kv_bytes_sent"] == 0 < summary["pd"]["kv_bytes_sent"]
     assert summary["colocated_chunked"]["kv_bytes_sent"] == 0      # the same tokens (identical_tokens)
     assert os.path.exists(os.path.join(out_dir, "itl_over_time.png"))
+
+
+def test_set_overrides_land_in_the_resolved_config(tmp_path, capsys):
+    cfg = tmp_path / "s.toml"
+    cfg.write_text('kind = "bubble_sweep"\nname = "s"\n[sweep]\nschedules = ["1f1b"]\n'
+                   'num_stages = [4]\nmicrobatch_multipliers = [2]\n')
+    runs = tmp_path / "runs"
+    assert cli.main(["run", str(cfg), "--runs-dir", str(runs), "--set", "sweep.num_stages=[2, 8]",
+                     "--set", 'sweep.schedules=["zb1p"]', "--set", "costs.W=0.5"]) == 0
+    (run_dir,) = runs.iterdir()
+    resolved = json.loads((run_dir / "config.json").read_text())
+    assert resolved["config"]["sweep"]["num_stages"] == [2, 8]
+    assert resolved["config"]["sweep"]["schedules"] == ["zb1p"]
+    assert resolved["config"]["costs"]["W"] == 0.5
+    rows = (run_dir / "bubble_sweep.csv").read_text().splitlines()[1:]
+    assert {r.split(",")[0] for r in rows} == {"zb1p"} and len(rows) == 2     # P = 2 and 8
+
+
+@pytest.mark.parametrize("override, match", [
+    ("workload.batchsize=2", r"\[workload\] has unknown keys \['batchsize'\]"),
+    ('workload.batch="two"', r"\[workload\] batch must be int"),
+    ("workload", "expected key=value"),
+])
+def test_bad_overrides_name_the_key(tmp_path, override, match):
+    with pytest.raises(ValueError, match=match):
+        runner.run("experiments/quickstart.toml", runs_dir=str(tmp_path / "runs"), overrides=[override])
+
+
+def test_list_shows_every_experiment(capsys):
+    assert cli.main(["list"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == len([f for f in os.listdir("experiments") if f.endswith(".toml")])
+    assert any("executed_bubbles.toml" in line and "executed_bubbles" in line for line in out)
