@@ -108,6 +108,20 @@ class ModelConfig:
             scale = scale * m * m
         return scale
 
+    def _repr_html_(self) -> str:
+        """A notebook table: the architecture's key sizes and the parameter counts (total,
+        active per token, per component; from :func:`pdjax.analysis.param_counts`)."""
+        import html
+
+        from pdjax.analysis.params import param_counts
+
+        keys = ("model_type", "num_hidden_layers", "hidden_size", "num_attention_heads", "q_lora_rank",
+                "kv_lora_rank", "qk_rope_head_dim", "n_routed_experts", "num_experts_per_tok",
+                "n_shared_experts", "first_k_dense_replace", "vocab_size")
+        rows = "".join(f"<tr><td>{k}</td><td>{html.escape(str(getattr(self, k)))}</td></tr>" for k in keys)
+        return (f"<div style='display:flex;gap:2em'><table><tr><th>config</th><th></th></tr>{rows}</table>"
+                f"{param_counts(self)._repr_html_()}</div>")
+
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 

@@ -46,6 +46,19 @@ class ParamCounts:
     mtp: int = 0            # MTP modules (without their embedding/head copies)
     mtp_layers: int = 0
 
+    COMPONENTS = ("embedding", "lm_head", "attention", "norms", "dense_mlp", "routed_experts",
+                  "shared_experts", "router", "mtp")
+
+    def table(self) -> list[tuple[str, int]]:
+        """``(row, count)``: every component, then the total and the active count."""
+        rows = [(k, getattr(self, k)) for k in self.COMPONENTS if k != "mtp" or self.mtp]
+        return rows + [("total", self.total), ("active per token", self.active)]
+
+    def _repr_html_(self) -> str:
+        cells = "".join(f"<tr><td>{k}</td><td style='text-align:right'>{v:,}</td>"
+                        f"<td style='text-align:right'>{v / 1e9:.3f} B</td></tr>" for k, v in self.table())
+        return f"<table><tr><th>params</th><th>count</th><th></th></tr>{cells}</table>"
+
     @property
     def total(self) -> int:
         """Main model, embedding and head included, MTP excluded (V3: 671B)."""

@@ -42,3 +42,18 @@ def test_softmax_scale_uses_mscale_all_dim():
     cfg = pdjax.configs.deepseek_v3()
     m = 0.1 * cfg.rope_scaling.mscale_all_dim * math.log(cfg.rope_scaling.factor) + 1
     assert cfg.softmax_scale == pytest.approx(cfg.qk_head_dim ** -0.5 * m * m)
+
+
+def test_config_displays_its_parameter_counts():
+    """A notebook shows a config with its total, active and per-component parameter counts;
+    the components add up to the total."""
+    from pdjax.analysis import param_counts
+
+    cfg = pdjax.configs.deepseek_v3()
+    counts = param_counts(cfg)
+    rows = dict(counts.table())
+    assert sum(v for k, v in rows.items() if k not in ("total", "active per token")) == rows["total"]
+    page = cfg._repr_html_()
+    for value in (counts.total, counts.active, counts.routed_experts):
+        assert f"{value:,}" in page
+    assert "kv_lora_rank" in page and "active per token" in page
