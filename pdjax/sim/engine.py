@@ -40,10 +40,35 @@ ARRIVAL, STEP, KV_READY, CONTROL = 0, 1, 2, 3
 
 @dataclasses.dataclass
 class SimResult:
+    """One simulation: ``summary`` (metrics, see :func:`pdjax.sim.summarize`), the finished
+    ``requests``, the controller's ``actions`` and the number of ``events`` processed."""
+
     summary: dict
     requests: list
     actions: list
     events: int
+
+    def table(self) -> list[tuple[str, str]]:
+        """``(metric, value)`` rows of the summary's scalar metrics, formatted."""
+        rows = []
+        for key, value in self.summary.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            rows.append((key, f"{value:,}" if isinstance(value, int) else f"{value:.4g}"))
+        if "events" not in self.summary:
+            rows.append(("events", f"{self.events:,}"))
+        return rows
+
+    def __str__(self) -> str:
+        width = max((len(k) for k, _ in self.table()), default=0)
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in self.table())
+
+    def _repr_html_(self) -> str:
+        import html
+
+        cells = "".join(f"<tr><td>{html.escape(k)}</td><td style='text-align:right'>{html.escape(v)}</td></tr>"
+                        for k, v in self.table())
+        return f"<table><tr><th>metric</th><th>value</th></tr>{cells}</table>"
 
 
 class Simulator:

@@ -229,3 +229,13 @@ def test_incremental_kv_totals_match_the_protocol_path(cost, dep):
     for x, y in zip(a, b):
         assert x.t_first == pytest.approx(y.t_first, rel=1e-9)
         assert x.t_finish == pytest.approx(y.t_finish, rel=1e-9)
+
+
+def test_result_displays_its_summary(cost):
+    """A notebook shows a simulation's scalar metrics as a table (and print() as text)."""
+    reqs = sim.generate(sim.WorkloadSpec(num_requests=50, rate=5.0, input=200, output=8, seed=0))
+    res = sim.simulate(sim.Colocated(1, token_budget=4096), cost, reqs)
+    rows = dict(res.table())
+    scalar = {k for k, v in res.summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    assert scalar and scalar <= set(rows) and rows["events"] == f"{res.events:,}"
+    assert all(k in res._repr_html_() for k in scalar) and str(res).count("\n") == len(res.table()) - 1
