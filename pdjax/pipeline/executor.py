@@ -16,7 +16,8 @@ Measurement (``measure=True``): every op blocks on its outputs, and its start an
 wall-clock times taken around the dispatch and the wait, so ``last_timeline`` holds what
 each rank really did, in order (an in-order stream per rank, as a GPU stream is; the cost
 is one host round trip per op, reported by the benchmark). ``measure=False`` dispatches
-ahead with no host sync until the step's results are read.
+ahead with no host sync until the step's results are read, and keeps no per-op account
+(``last_timeline`` and ``last_memory`` are None).
 
 Memory (``last_memory``): per rank, the peak bytes the executor held for pending backward
 work: each micro-batch's residuals (and its stage input when the backward reads it) from

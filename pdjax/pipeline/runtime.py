@@ -85,7 +85,7 @@ class _StepRun:
         self.losses: dict = {}
         self._local = threading.local()
         self.held: dict = {}        # (stage, mb) -> held values
-        self.held_bytes: dict = {}  # (stage, mb) -> bytes
+        self.held_bytes: dict = {}  # (stage, mb) -> bytes (counted only when measuring)
         n = sched.num_ranks
         self.starts = [np.zeros(len(ops)) for ops in sched.ops]
         self.ends = [np.zeros(len(ops)) for ops in sched.ops]
@@ -116,9 +116,11 @@ class _StepRun:
         for m in sorted(self.losses):
             val = jax.device_put(self.losses[m], dev)
             loss = val if loss is None else loss + val
-        ex.stage_memory = {k: v.copy() for k, v in self.stage_memory.items()}
-        ex.last_memory = self.peak.copy()
-        ex.last_timeline = self._timeline() if ex.measure else None
+        if ex.measure:
+            ex.stage_memory = {k: v.copy() for k, v in self.stage_memory.items()}
+            ex.last_memory, ex.last_timeline = self.peak.copy(), self._timeline()
+        else:
+            ex.last_memory = ex.last_timeline = None
         return loss, self.acc
 
     def _rank_main(self, r: int):
@@ -208,11 +210,16 @@ class _StepRun:
         i = self.info[s]
         return (self.staged[s], self._input(s, m), self.tokens_out[m] if i["chunk"].last else None)
 
+    def _size(self, tree) -> int:
+        """Bytes of held arrays, counted only when measuring (the training loop does no
+        per-op bookkeeping)."""
+        return _tree_bytes(tree) if self.ex.measure else 0
+
     def _after_forward(self, s, m, x, y, res):
         """Hold what the backward needs; returns the bytes allocated."""
         keep_x = x if self.info[s]["prog"].keeps_input else None
         self.held[(s, m)] = (keep_x, res)
-        nbytes = _nbytes(keep_x) + _tree_bytes(res)
+        nbytes = self._size(keep_x) + self._size(res)
         self.held_bytes[(s, m)] = nbytes
         self.stage_memory["F"][s] = nbytes
         self._send_forward(s, m, y)
@@ -228,8 +235,8 @@ class _StepRun:
         values = [x, *res, gy]
         keep = set(i["prog"].w_keep)
         kept = [values[j] for j in i["prog"].w_keep]
-        alloc = _tree_bytes(carry) + (_nbytes(gy) if len(values) - 1 in keep else 0)
-        freed = sum(_nbytes(v) for j, v in enumerate(values[:-1]) if j not in keep)
+        alloc = self._size(carry) + (self._size(gy) if len(values) - 1 in keep else 0)
+        freed = sum(self._size(v) for j, v in enumerate(values[:-1]) if j not in keep)
         self.held[(s, m)] = (kept, carry)
         self.held_bytes[(s, m)] += alloc - freed
         self.stage_memory["I"][s], self.stage_memory["I_free"][s] = alloc, freed
