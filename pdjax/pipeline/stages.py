@@ -207,7 +207,7 @@ class _BackwardSplit:
 
     def __init__(self, closed, out_tree, num_param_leaves: int):
         jaxpr = closed.jaxpr
-        self.closed, self.out_tree, self.num_param_leaves = closed, out_tree, num_param_leaves
+        self.closed, self.out_tree = closed, out_tree
         producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
         outs = jaxpr.outvars
         n_grads = out_tree.num_leaves - 1    # the last output leaf is gx
@@ -216,16 +216,15 @@ class _BackwardSplit:
         w_set = _slice(jaxpr, producer, grad_outs) - i_set
         self.i_eqns = [jaxpr.eqns[i] for i in sorted(i_set)]
         self.w_eqns = [jaxpr.eqns[i] for i in sorted(w_set)]
-        w_reads = {v for e in self.w_eqns for v in e.invars if isinstance(v, jcore.Var)}
-        w_reads |= {v for v in grad_outs if isinstance(v, jcore.Var)}
-        w_uses = [v for e in self.w_eqns for v in e.invars] + list(grad_outs)
-        self.carry = [v for v in dict.fromkeys(v for v in w_uses if isinstance(v, jcore.Var))
-                      if producer.get(v) in i_set]
+        # every variable W reads (or returns as a gradient), in first-use order
+        w_reads = dict.fromkeys(v for v in [*(u for e in self.w_eqns for u in e.invars), *grad_outs]
+                                if isinstance(v, jcore.Var))
+        self.carry = [v for v in w_reads if producer.get(v) in i_set]
         self.grad_outs, self.gx_outs = grad_outs, gx_outs
         self.invars = jaxpr.invars
         values = jaxpr.invars[num_param_leaves:]          # [x, *res, gy]
         self.w_keep = tuple(i for i, v in enumerate(values) if v in w_reads)
-        reads = w_reads | {v for e in self.i_eqns for v in e.invars if isinstance(v, jcore.Var)}
+        reads = set(w_reads) | {v for e in self.i_eqns for v in e.invars if isinstance(v, jcore.Var)}
         reads |= {v for v in outs if isinstance(v, jcore.Var)}
         self.reads = tuple(i for i, v in enumerate(values) if v in reads)
         self.kept_vars = [values[i] for i in self.w_keep]
