@@ -151,7 +151,8 @@ def run_ranks(ranks: int, schedules, args) -> list:
         t0 = time.perf_counter()
         row = measure_schedule(name, cfg, num_ranks=ranks, num_microbatches=m,
                                batch_shape=(m * args.rows * args.scale, args.seq_len * args.scale),
-                               params=params, repeats=args.repeats, op_repeats=args.op_repeats)
+                               params=params, repeats=args.repeats, op_repeats=args.op_repeats,
+                               processes=args.processes)
         print(f"  {name} at {ranks} ranks: {time.perf_counter() - t0:.1f} s (compile, warm-up, "
               f"{args.op_repeats} isolated + {args.repeats} measured steps)", flush=True)
         rows.append(row)
@@ -170,6 +171,9 @@ def parse_args():
     ap.add_argument("--scale", type=int, default=1, help="multiplies model widths, rows and seq-len")
     ap.add_argument("--repeats", type=int, default=3, help="measured steps (median makespan kept)")
     ap.add_argument("--op-repeats", type=int, default=3, help="isolated runs per op (medians)")
+    ap.add_argument("--processes", action="store_true",
+                    help="one process per rank, each pinned to its own core (pdjax.pipeline.RankProcesses); "
+                         "values cross ranks over jax.experimental.transfer")
     ap.add_argument("--quick", action="store_true",
                     help="smallest settings: cores ranks only, 1f1b and dualpipe, 1 repeat each")
     args = ap.parse_args()
@@ -186,7 +190,7 @@ def main() -> None:
     schedules = [s for s in args.schedules.split(",") if s]
     print(f"{jax.device_count()} {jax.default_backend()} devices on {cores} cores; ranks {args.ranks}; "
           f"tiny preset x{args.scale}, {args.rows * args.scale} x {args.seq_len * args.scale} tokens per "
-          f"micro-batch")
+          f"micro-batch; " + ("one process per rank, pinned to a core each" if args.processes else "one process, a thread per rank"))
     by_ranks = {}
     for ranks in args.ranks:
         by_ranks[ranks] = run_ranks(ranks, schedules, args)

@@ -25,7 +25,7 @@ from .validate import ScheduleError, validate
 
 
 _LAZY = {"Executor": "executor", "next_token_loss": "stages", "split_layers": "stages",
-         "train": "training", "TrainState": "training"}
+         "train": "training", "TrainState": "training", "RankProcesses": "processes"}
 
 
 def __getattr__(name):
@@ -52,7 +52,7 @@ def run_bubble_sweep(config_dict, out_dir):
 
 
 __all__ = [
-    "AnyOp", "B", "Executor", "TrainState", "next_token_loss", "split_layers", "train", "CommAction", "DeadlockError", "Event", "F", "FB", "GENERATORS", "I", "Layout",
+    "AnyOp", "B", "Executor", "RankProcesses", "TrainState", "next_token_loss", "split_layers", "train", "CommAction", "DeadlockError", "Event", "F", "FB", "GENERATORS", "I", "Layout",
     "Op", "OverlapFB", "Pipeline", "ReportRow", "Schedule", "ScheduleError", "Timeline", "W",
     "bubble_formula", "bubble_ratio_1f1b", "build", "comm_volume", "compare", "compare_one",
     "derive_comms", "dualpipe", "dualpipe_bubble", "dualpipe_makespan", "dualpipev",

@@ -41,7 +41,7 @@ COLUMNS = ("schedule", "P", "ranks", "microbatches", "batch", "seq_len", "measur
            "simulated_makespan_ms", "makespan_error", "measured_bubble_ratio", "simulated_bubble_ratio",
            "formula_bubble_ms", "formula_bubble_ratio", "formula_applies", "formula_note",
            "measured_peak_bytes", "simulated_peak_bytes", "dispatch_ms", "inrun_simulated_makespan_ms",
-           "inrun_makespan_error", "contention")
+           "inrun_makespan_error", "contention", "mode", "comm_ms")
 
 
 @dataclass(frozen=True, eq=False)
@@ -54,6 +54,10 @@ class ExecutedRow:
     simulator's schedule model apart from op times; ``contention``: the measured step's busy
     time over the isolated ops' (how much slower ops ran with the other ranks running). ``step_makespans_ms``: every measured step's makespan;
     ``measured`` is the median one's timeline, ``simulated`` the simulation's.
+    ``mode``: "threads" (one process, a host thread per rank: :class:`Executor`) or
+    "processes" (a process per rank on its own core: :class:`RankProcesses`); ``comm_ms``:
+    the cross-rank latency the simulation used (measured in "processes" mode, 0 in one
+    process, where a device-to-device copy is part of the consumer's wait).
     ``costs``: the per-stage op costs the simulation used (``F, B, I, W, FB, FI``, lists).
     """
 
@@ -78,6 +82,8 @@ class ExecutedRow:
     inrun_simulated_makespan_ms: float = math.nan
     inrun_makespan_error: float = math.nan
     contention: float = math.nan
+    mode: str = "threads"
+    comm_ms: float = 0.0
     step_makespans_ms: tuple = ()
     costs: dict = field(default_factory=dict, repr=False)
     op_costs: object = field(default=None, repr=False)
@@ -102,7 +108,8 @@ def _positive_int(name: str, value) -> int:
 
 def measure_schedule(name: str, cfg, *, num_ranks: int = 2, num_microbatches: int = 8,
                      batch_shape=(16, 32), params=None, tokens=None, devices=None, repeats: int = 3,
-                     op_repeats: int = 3, seed: int = 0, layers_per_stage=None) -> ExecutedRow:
+                     op_repeats: int = 3, seed: int = 0, layers_per_stage=None, processes: bool = False,
+                     cores=None) -> ExecutedRow:
     """Build, compile and measure schedule ``name`` of model ``cfg`` (see the module docstring).
 
     ``batch_shape``: ``(B, T)`` of the random token batch (``B`` sequences, split into
@@ -110,7 +117,8 @@ def measure_schedule(name: str, cfg, *, num_ranks: int = 2, num_microbatches: in
     (default: ``pdjax.init_params(cfg, key(seed))``). ``devices``: default the first
     ``num_ranks`` devices, one per rank. ``repeats``: measured steps (the median makespan is
     kept; the lower middle one for an even count); ``op_repeats``: isolated runs of every op
-    (medians)."""
+    (medians). ``processes``: one process per rank, pinned to ``cores`` (default: one core
+    each, :class:`pdjax.pipeline.RankProcesses`), instead of one thread per rank here."""
     import jax
 
     from pdjax.model.transformer import init_params
@@ -123,6 +131,11 @@ def measure_schedule(name: str, cfg, *, num_ranks: int = 2, num_microbatches: in
     if tokens is None:
         B, T = (_positive_int("batch_shape entry", v) for v in batch_shape)
         tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (B, T), dtype=np.int32)
+    if processes:
+        from pdjax.pipeline.processes import RankProcesses
+
+        with RankProcesses(schedule, cfg, params=params, layers_per_stage=layers_per_stage, cores=cores) as rp:
+            return measure_processes(rp, tokens, repeats=repeats, op_repeats=op_repeats)
     if devices is None:
         devices = jax.devices()[:num_ranks]
     ex = Executor(schedule, cfg, devices=devices, layers_per_stage=layers_per_stage, measure=True)
@@ -153,6 +166,34 @@ def measure_executor(ex, params, tokens, *, repeats: int = 3, op_repeats: int = 
     return dataclasses.replace(row, inrun_simulated_makespan_ms=float(inrun.makespan),
                                inrun_makespan_error=float(inrun.makespan / measured.makespan - 1),
                                contention=float(measured.busy.sum() / simulated.busy.sum()))
+
+
+def measure_processes(rp, tokens, *, repeats: int = 3, op_repeats: int = 3) -> ExecutedRow:
+    """:func:`measure_schedule` for a :class:`pdjax.pipeline.RankProcesses`: the simulation
+    also gets the measured link latency (``rp.comm_ms``, from the isolated runs)."""
+    repeats = _positive_int("repeats", repeats)
+    op_repeats = _positive_int("op_repeats", op_repeats)
+    tokens = np.asarray(rp._ex.check_batch(tokens))
+    rp.compile(tokens.shape)
+    rp.step(tokens)                                           # warm-up: first dispatches, allocations
+    op_costs = rp.measure_ops(tokens, repeats=op_repeats)
+    runs = []
+    for _ in range(repeats):
+        rp.step(tokens)
+        links = [t["latency"] for t in rp.transfers]
+        runs.append((rp.last_timeline, np.asarray(rp.last_memory, dtype=float).copy(),
+                     float(np.median(links)) if links else 0.0))
+    order = sorted(range(repeats), key=lambda i: runs[i][0].makespan)
+    measured, peak, inrun_comm = runs[order[(repeats - 1) // 2]]
+    costs = op_costs.simulate_kwargs()
+    simulated = simulate(rp.schedule, **costs, comm=rp.comm_ms, memory=rp.stage_memory)
+    inrun = simulate(rp.schedule, **op_costs_from_timeline(measured).simulate_kwargs(), comm=inrun_comm)
+    row = _row(rp.schedule, tokens.shape, measured, peak, simulated, costs, op_costs,
+               [r[0].makespan for r in runs])
+    return dataclasses.replace(row, inrun_simulated_makespan_ms=float(inrun.makespan),
+                               inrun_makespan_error=float(inrun.makespan / measured.makespan - 1),
+                               contention=float(measured.busy.sum() / simulated.busy.sum()),
+                               mode="processes", comm_ms=float(rp.comm_ms))
 
 
 def formula_bubble(name: str, num_stages: int, costs: dict, mean_busy: float) -> tuple[float, float, bool, str]:

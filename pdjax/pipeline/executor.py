@@ -181,6 +181,9 @@ class Executor:
             for pos, s in enumerate(pipe.stages):
                 self.stage_chunk[s] = pos
         self._compiled: dict = {}
+        # the ranks whose programs this process compiles and runs (None: all; a worker of
+        # :class:`pdjax.pipeline.RankProcesses` runs one)
+        self.local_ranks = None
         self._param_shapes = None
         self.last_timeline = None
         self.last_memory = None
@@ -306,9 +309,12 @@ class Executor:
                 info[s] = dict(prog=prog, rank=rank, chunk=chunk, sp=sp_spec, x=x_spec, tok=tok_spec,
                                x_arg=x_spec if prog.keeps_input else None,
                                zeros=jax.jit(_zeros_like, out_shardings=jax.tree.map(lambda a: a.sharding, sp_spec)))
-                jobs[s] = ((prog.key, "F"), prog.F, (sp_spec, x_spec, tok_spec))
+                if self._here(s):
+                    jobs[s] = ((prog.key, "F"), prog.F, (sp_spec, x_spec, tok_spec))
                 prev = prog
-        for i, f in zip(info, _compile_all(jobs)):
+        here = [s for s in range(len(info)) if self._here(s)]
+        for s, f in zip(here, _compile_all([jobs[s] for s in here])):
+            i = info[s]
             prog = i["prog"]
             y_sh, res_sh = f.output_shardings
             i["F"] = f
@@ -320,7 +326,9 @@ class Executor:
 
     def _compile_backwards(self, info):
         singles, pairs, weights = {}, {}, set()
-        for ops in self.schedule.ops:
+        for r, ops in enumerate(self.schedule.ops):
+            if self.local_ranks is not None and r not in self.local_ranks:
+                continue
             for op in ops:
                 if isinstance(op, OverlapFB):
                     pairs.setdefault((op.forward.stage, op.backward.stage, op.backward.kind), None)
@@ -366,6 +374,10 @@ class Executor:
         for s, c in zip(sorted(weights), _compile_all(jobs)):
             info[s]["W"] = c
             _check_acc(info[s], c.output_shardings)
+
+    def _here(self, s: int) -> bool:
+        """Whether stage ``s`` runs in this process (all do, unless ``local_ranks`` is set)."""
+        return self.local_ranks is None or self.schedule.layout.stage_rank[s] in self.local_ranks
 
     def _set_carry(self, i, shardings):
         """The canonical specs of a stage's I-to-W carry and of what an I keeps for its W."""

@@ -65,23 +65,36 @@ class _StepRun:
     """The state of one executed step: per-rank threads, the mailbox, per-micro-batch held
     values and their bytes, the measured op times."""
 
-    def __init__(self, ex, info, staged, token_mbs, isolated: bool = False):
+    def __init__(self, ex, info, staged, token_mbs, isolated=False, *, ranks=None, mail=None, remote=None):
+        """``isolated``: run one op at a time (True: a lock of this process; or any object with
+        ``acquire``/``release``, e.g. a lock shared by processes). ``ranks``: the ranks this
+        process runs (default all); a value for a stage of another rank goes to ``remote``
+        (``remote.prepare(key, value)`` during the producing op: the hand-off is part of it;
+        ``remote.announce(handle)`` once the op's end is recorded) and arrives from there
+        through ``mail`` (a value with ``materialize()`` is fetched by the consumer's thread
+        when it needs it: the wait before its op)."""
         self.ex, self.info, self.staged = ex, info, staged
-        self.isolated = threading.Lock() if isolated else None
+        self.isolated = threading.Lock() if isolated is True else (isolated or None)
         sched = ex.schedule
         self.layout = sched.layout
-        self.mail = _Mailbox()
+        self.ranks = tuple(range(sched.num_ranks)) if ranks is None else tuple(ranks)
+        local = set(self.ranks)
+        self.local_stage = [r in local for r in self.layout.stage_rank]
+        self.mail = _Mailbox() if mail is None else mail
+        self.remote = remote
         # token micro-batches, placed where their first and last stages need them
         self.tokens_in: dict = {}
         self.tokens_out: dict = {}
         for pipe in self.layout.pipelines:
-            first, last = info[pipe.stages[0]], info[pipe.stages[-1]]
+            first, last = pipe.stages[0], pipe.stages[-1]
             for m in pipe.microbatches:
-                self.tokens_in[m] = jax.device_put(token_mbs[m], first["x"].sharding)
-                self.tokens_out[m] = jax.device_put(token_mbs[m], last["tok"].sharding)
-        self.acc = [i["zeros"](sp) for i, sp in zip(info, staged)]
+                if self.local_stage[first]:
+                    self.tokens_in[m] = jax.device_put(token_mbs[m], info[first]["x"].sharding)
+                if self.local_stage[last]:
+                    self.tokens_out[m] = jax.device_put(token_mbs[m], info[last]["tok"].sharding)
+        self.acc = [i["zeros"](sp) if here else None for i, sp, here in zip(info, staged, self.local_stage)]
         self.one = {s: jax.device_put(jnp.ones((), i["gy"].dtype), i["gy"].sharding)
-                    for s, i in enumerate(info) if i["chunk"].last}
+                    for s, i in enumerate(info) if i["chunk"].last and self.local_stage[s]}
         self.losses: dict = {}
         self._local = threading.local()
         self.held: dict = {}        # (stage, mb) -> held values
@@ -96,9 +109,14 @@ class _StepRun:
 
     # ---- driving -------------------------------------------------------------------------------
     def go(self):
+        self.drive()
+        return self.finish()
+
+    def drive(self):
+        """Run this process's ranks to the end of the step (raises if one failed)."""
         ex = self.ex
         threads = [threading.Thread(target=self._rank_main, args=(r,), name=f"pdjax-pp-rank{r}", daemon=True)
-                   for r in range(ex.schedule.num_ranks)]
+                   for r in self.ranks]
         if ex.measure:   # the step's inputs are in place before its clock starts
             jax.block_until_ready((self.tokens_in, self.tokens_out, self.acc, self.one))
         self.t0 = time.perf_counter()
@@ -111,6 +129,11 @@ class _StepRun:
                 break
         if self.mail.failed is not None:
             raise RuntimeError(f"pipeline step failed: {self.mail.failed}") from self.mail.failed
+
+    def finish(self):
+        """``(loss, per-stage grads)`` of a step whose ranks all ran here; records the
+        measured timeline and memory on the executor."""
+        ex = self.ex
         loss = None
         dev = self.info[self.layout.pipelines[0].stages[-1]]["gy"].sharding
         for m in sorted(self.losses):
@@ -153,18 +176,22 @@ class _StepRun:
     # ---- ops -------------------------------------------------------------------------------
     def _received(self, key):
         """A value from another stage; when measuring, wait until it has landed (its transfer
-        shows as idle time before the op, not inside it)."""
+        shows as idle time before the op, not inside it). A value still to be read from
+        another process (``materialize()``) is read by the op (:meth:`_mark`)."""
         value = self.mail.take(key, self.ex.timeout_s)
-        if self.ex.measure:
+        if self.ex.measure and not hasattr(value, "materialize"):
             jax.block_until_ready(value)
         return value
 
-    def _mark(self):
-        """The op's inputs are ready: it starts now (alone, when measuring ops in isolation)."""
+    def _mark(self, *args):
+        """The op's inputs are here: it starts now (alone, when measuring ops in isolation).
+        Returns ``args`` with values from another process read onto the device: that read is
+        the op's first step (its clock runs), as a GPU kernel reads what a peer wrote."""
         if self.isolated is not None:
             self.isolated.acquire()
             self._local.holds = True
         self._local.start = time.perf_counter()
+        return tuple(a.materialize() if hasattr(a, "materialize") else a for a in args)
 
     def _dispatched(self):
         """The op's program call has returned (dispatch done, the work may still run)."""
@@ -185,25 +212,33 @@ class _StepRun:
             self.losses[m] = y
             return
         nxt = self.layout.next_stage[s]
-        self._post(("act", nxt, m), y, self.info[nxt]["x"].sharding)
+        self._post(("act", nxt, m), y, self.info[nxt]["x"].sharding if self.local_stage[nxt] else None)
 
     def _send_backward(self, s: int, m: int, gx):
         if self.info[s]["chunk"].first:
             return
         prv = self.layout.prev_stage[s]
-        self._post(("grad", prv, m), gx, self.info[prv]["gy"].sharding)
+        self._post(("grad", prv, m), gx, self.info[prv]["gy"].sharding if self.local_stage[prv] else None)
 
     def _post(self, key, value, sharding):
         """Send ``value`` to the consumer's sharding. When measuring, the send waits until the
         op's end has been recorded, so a consumer never starts before its producer ended."""
+        if sharding is None:          # a stage of another process
+            value = self.remote.prepare(key, value)
         if self.ex.measure:
             self._local.outbox.append((key, value, sharding))
+        else:
+            self._deliver(key, value, sharding)
+
+    def _deliver(self, key, value, sharding):
+        if sharding is None:
+            self.remote.announce(value)
         else:
             self.mail.put(key, jax.device_put(value, sharding))
 
     def _flush(self):
         for key, value, sharding in self._local.outbox:
-            self.mail.put(key, jax.device_put(value, sharding))
+            self._deliver(key, value, sharding)
         self._local.outbox = []
 
     def _forward_args(self, s, m):
@@ -255,14 +290,12 @@ class _StepRun:
         s, m, i = op.stage, op.microbatch, self.info[op.stage]
         sp = self.staged[s]
         if op.kind == FORWARD:
-            args = self._forward_args(s, m)
-            self._mark()
+            args = self._mark(*self._forward_args(s, m))
             y, res = i["F"](*args)
             self._dispatched()
             return (y, res), self._after_forward(s, m, args[1], y, res), 0
         if op.kind == FULL_BACKWARD:
-            x, res, gy = self._backward_args(s, m)
-            self._mark()
+            x, res, gy = self._mark(*self._backward_args(s, m))
             self.acc[s], gx = i["B"](self.acc[s], sp, x, res, gy)
             self._dispatched()
             self._settle_acc(s)
@@ -270,8 +303,7 @@ class _StepRun:
             self._send_backward(s, m, gx)
             return (self.acc[s], gx), 0, self.held_bytes.pop((s, m))
         if op.kind == BACKWARD_INPUT:
-            x, res, gy = self._backward_args(s, m)
-            self._mark()
+            x, res, gy = self._mark(*self._backward_args(s, m))
             gx, carry = i["I"](sp, x, res, gy)
             self._dispatched()
             alloc, freed = self._after_input(s, m, x, res, gy, gx, carry)
@@ -288,9 +320,10 @@ class _StepRun:
         fi, bi = self.info[f.stage], self.info[bk.stage]
         compiled, reshard = fi[("FB", f.stage, bk.stage, bk.kind)]
         fargs = self._forward_args(f.stage, f.microbatch)
-        x, res, gy = self._backward_args(bk.stage, bk.microbatch)
+        bargs = self._backward_args(bk.stage, bk.microbatch)
         sb = self.staged[bk.stage]
-        self._mark()
+        args = self._mark(*fargs, *bargs)
+        fargs, (x, res, gy) = args[:3], args[3:]
         if bk.kind == FULL_BACKWARD:
             (y, fres), (self.acc[bk.stage], gx) = compiled(*fargs, self.acc[bk.stage], sb, x, res, gy)
             self._settle_acc(bk.stage)

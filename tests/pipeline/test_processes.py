@@ -1,0 +1,127 @@
+"""A pipeline rank per process (pdjax.pipeline.RankProcesses): the same exact step as the
+in-process executor, timelines on one clock, isolation across processes, both transports,
+and failures that stop every worker."""
+
+import os
+import signal
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pdjax.pipeline as pp
+from pdjax.pipeline.ops import OverlapFB
+
+
+def _max_rel_err(tree, ref):
+    errs = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30)), tree, ref)
+    return max(jax.tree.leaves(errs))
+
+
+@pytest.fixture(scope="module")
+def ranks(exec_cfg, exec_params):
+    """Zero-bubble (F, I, W) on 2 rank processes: activations and gradients cross between
+    the processes both ways."""
+    rp = pp.RankProcesses(pp.build("zb1p", 2, 4), exec_cfg, params=exec_params, timeout_s=120)
+    yield rp
+    rp.close()
+
+
+def _parts(op):
+    return (op.forward, op.backward) if isinstance(op, OverlapFB) else (op,)
+
+
+def _check_dependencies(tl):
+    """On the shared clock: each rank's ops in order, and every op starts after the ops
+    that produce its inputs on the other rank ended."""
+    sched = tl.schedule
+    end_of = {}
+    for r, ops in enumerate(sched.ops):
+        assert np.all(tl.starts[r][1:] >= tl.ends[r][:-1]), f"rank {r}'s ops overlap"
+        for op, e in zip(ops, tl.ends[r]):
+            for part in _parts(op):
+                end_of[(part.kind, part.stage, part.microbatch)] = e
+    layout, checked = sched.layout, 0
+    for r, ops in enumerate(sched.ops):
+        for op, start in zip(ops, tl.starts[r]):
+            for part in _parts(op):
+                prev, nxt = layout.prev_stage[part.stage], layout.next_stage[part.stage]
+                if part.kind == "F" and prev >= 0:
+                    key = ("F", prev, part.microbatch)
+                elif part.kind in ("B", "I") and nxt >= 0:
+                    key = next((k, nxt, part.microbatch) for k in ("B", "I") if (k, nxt, part.microbatch) in end_of)
+                else:
+                    continue
+                if layout.stage_rank[key[1]] != r:
+                    assert start >= end_of[key], f"{op} on rank {r} started before {key} ended"
+                    checked += 1
+    return checked
+
+
+def test_rank_processes_step_equals_value_and_grad(ranks, exec_params, exec_tokens, exec_reference):
+    ref_loss, ref_grads = exec_reference
+    loss = ranks.step(exec_tokens)
+    grads = ranks.grads()
+    assert jax.tree.structure(grads) == jax.tree.structure(exec_params)
+    assert abs(loss - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    assert _max_rel_err(grads, ref_grads) <= 1e-5
+
+
+def test_rank_processes_timeline_and_memory(ranks, exec_tokens):
+    ranks.step(exec_tokens)
+    tl = ranks.last_timeline
+    assert _check_dependencies(tl) == 8          # 4 activations and 4 gradients crossed, on one clock
+    assert ranks.transfers and all(t["nbytes"] > 0 for t in ranks.transfers)
+    sim = pp.simulate(ranks.schedule, memory=ranks.stage_memory)
+    np.testing.assert_array_equal(ranks.last_memory, sim.peak_memory)
+
+
+def test_rank_processes_isolated_ops_never_overlap(ranks, exec_tokens):
+    """measure_ops runs one op at a time over every process (a lock shared by them)."""
+    ranks.step(exec_tokens, isolated=True)
+    tl = ranks.last_timeline
+    spans = sorted((s, e) for r in range(tl.schedule.num_ranks) for s, e in zip(tl.starts[r], tl.ends[r]))
+    assert all(b[0] >= a[1] for a, b in zip(spans, spans[1:])), "two ranks ran ops at once"
+    costs = ranks.measure_ops(exec_tokens, repeats=1)
+    keys = {costs.key(op) for ops in ranks.schedule.ops for op in ops}
+    assert keys == set(costs.durations) and all(v > 0 for v in costs.durations.values())
+    assert 0 <= ranks.comm_ms < 1e3
+
+
+def test_rank_processes_transfer_transport(ranks, exec_tokens, exec_reference):
+    """The same step with values pulled over jax.experimental.transfer."""
+    ranks.transport = "transfer"
+    try:
+        loss = ranks.step(exec_tokens)
+        assert all("latency" in t for t in ranks.transfers) and ranks.transfers
+    finally:
+        ranks.transport = "shm"
+    assert abs(loss - float(exec_reference[0])) <= 1e-5 * abs(float(exec_reference[0]))
+    assert _max_rel_err(ranks.grads(), exec_reference[1]) <= 1e-5
+
+
+def test_rank_processes_bad_input(ranks, exec_cfg, exec_tokens):
+    s = pp.build("1f1b", 2, 4)
+    with pytest.raises(ValueError, match="not available"):
+        pp.RankProcesses(s, exec_cfg, cores=[0, 4096])
+    with pytest.raises(ValueError, match="one core per rank"):
+        pp.RankProcesses(s, exec_cfg, cores=[0])
+    with pytest.raises(ValueError, match="transport"):
+        pp.RankProcesses(s, exec_cfg, transport="carrier-pigeon")
+    with pytest.raises(ValueError, match="does not split into"):
+        ranks.step(exec_tokens[:3])
+    assert all(p.poll() is None for p in ranks.procs)     # a bad batch never reached them
+
+
+def test_rank_processes_dead_worker_fails_fast(ranks, exec_tokens):
+    """A worker killed mid-session: the next step fails at once (not at the timeout),
+    naming the rank, and every worker is gone. (Last: it ends the module's processes.)"""
+    procs = list(ranks.procs)
+    os.kill(procs[1].pid, signal.SIGKILL)
+    t = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1"):
+        ranks.step(exec_tokens)
+    assert time.monotonic() - t < 60 < ranks.timeout_s
+    assert all(p.poll() is not None for p in procs) and not ranks.procs
