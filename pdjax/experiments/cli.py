@@ -1,7 +1,14 @@
 """Command line (also ``python -m pdjax``):
 
-    pdjax run experiments/quickstart.toml [--set table.key=value ...] [--runs-dir runs]
+    pdjax run experiments/quickstart.toml [--set table.key=value ...] [--runs-dir runs] [--quiet]
+    pdjax report runs/<name>/<timestamp>
     pdjax list [experiments]
+
+``run`` checks the config against its experiment's schema (an error names the key and
+exits with status 2 before anything runs), runs it into runs/<name>/<timestamp>/ (config.json,
+metrics.json, CSV tables, PNG and SVG plots, report.md) with progress bars on stderr, and
+prints the report. ``--quiet``: no progress bars and only the report's path on stdout.
+``report`` rebuilds a run directory's report.md from its saved files.
 """
 
 from __future__ import annotations
@@ -12,13 +19,19 @@ import sys
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="pdjax", description=__doc__)
+    parser = argparse.ArgumentParser(prog="pdjax", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p_run = sub.add_parser("run", help="run an experiment config (TOML)")
     p_run.add_argument("config", help="path to an experiments/*.toml file")
     p_run.add_argument("--runs-dir", default="runs", help="where run directories go (default: runs)")
     p_run.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE",
-                       help="override a config value (TOML syntax: 8, 0.5, true, [1, 2], \"1f1b\"); repeatable")
+                       help="override a config value (TOML syntax: 8, 0.5, true, [1, 2], \"1f1b\"); repeatable; "
+                            "top-level keys too, e.g. scale=4")
+    p_run.add_argument("-q", "--quiet", action="store_true",
+                       help="no progress bars; print only the report's path")
+    p_report = sub.add_parser("report", help="rebuild a run directory's report.md from its saved files")
+    p_report.add_argument("run_dir", help="a run directory, runs/<name>/<timestamp>")
     p_list = sub.add_parser("list", help="list the experiment configs, one line each")
     p_list.add_argument("directory", nargs="?", default="experiments")
     sub.add_parser("serve", add_help=False,
@@ -45,14 +58,25 @@ def main(argv=None) -> int:
         for path, kind, description in rows:
             print(f"{path:<{width}}  {kind:<22} {description}")
         return 0
+    if args.command == "report":
+        from pdjax.experiments.runner import report
+        try:
+            path = report(args.run_dir)
+        except FileNotFoundError as e:
+            print(f"pdjax: {e}", file=sys.stderr)
+            return 2
+        print(f"report: {path}")
+        return 0
     if args.command == "run":
         from pdjax.experiments.runner import run
         try:
-            out_dir, _ = run(args.config, args.runs_dir, args.set)
+            run_dir, result = run(args.config, args.runs_dir, args.set, show_progress=not args.quiet)
         except (ValueError, FileNotFoundError) as e:
             print(f"pdjax: {e}", file=sys.stderr)
             return 2
-        print(f"\nreport: {out_dir}/report.md")
+        if not args.quiet:
+            print(f"# {result.title}\n\n{result.headline}\n\n{result.body}\n")
+        print(f"report: {os.path.join(run_dir, 'report.md')}")
     return 0
 
 

@@ -19,6 +19,7 @@ import csv
 import json
 import os
 
+from pdjax.experiments import progress
 from pdjax.experiments.runner import with_defaults
 
 DEFAULTS = {
@@ -89,14 +90,14 @@ def run_executed_bubbles(cfg: dict, out_dir: str) -> dict:
     tokens = np.random.default_rng(batch["seed"]).integers(0, mcfg.vocab_size, shape, dtype=np.int32)
     os.makedirs(out_dir, exist_ok=True)
     rows, plots = [], {}
-    for name in run["schedules"]:
+    for name in progress.track(run["schedules"], "executed_bubbles: schedules (compile, time, simulate)"):
         row = measure_schedule(name, mcfg, num_ranks=run["ranks"], num_microbatches=run["microbatches"],
                                params=params, tokens=tokens, repeats=run["repeats"], op_repeats=run["op_repeats"])
         plots[name] = f"{name}.png"
         plot_pair(row, os.path.join(out_dir, plots[name]))
         rows.append(row)
-        print(f"{name}: measured {row.measured_makespan_ms:.1f} ms, simulated {row.simulated_makespan_ms:.1f} ms "
-              f"({100 * row.makespan_error:+.1f}%)", flush=True)
+        progress.note(f"{name}: measured {row.measured_makespan_ms:.1f} ms, simulated "
+                      f"{row.simulated_makespan_ms:.1f} ms ({100 * row.makespan_error:+.1f}%)")
     setup = {"backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()[:run["ranks"]]],
              "model": c["model"], "scale": scale, "hidden_size": mcfg.hidden_size, "batch": list(shape),
              "rows_per_microbatch": rows_per_mb}
@@ -143,5 +144,4 @@ def _write(rows, plots: dict, setup: dict, out_dir: str) -> dict:
         lines += [f"### {name}", "", f"![{name}: measured (top) vs simulated (bottom)]({png})", ""]
     with open(os.path.join(out_dir, "report.md"), "w") as f:
         f.write("\n".join(lines))
-    print(summary["headline"])
     return summary

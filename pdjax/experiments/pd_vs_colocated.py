@@ -11,18 +11,21 @@ the classic middle ground, trading the long prompts' TTFT for shorter stalls.
 Note: simulated CPU devices share the host's cores, so the disaggregated side still feels
 compute contention; the structural difference (a decode step waiting behind a prefill on
 its own devices) is what the plot shows.
+
+``scale`` multiplies the request counts, the long prompts' length, the decode slots, the
+context bound and the prefill chunk. Every latency is measured (``wall_clock``); the tokens
+and the KV bytes handed off are reproducible (``metrics``).
 """
 
 from __future__ import annotations
-
-import json
-import os
 
 import jax
 import numpy as np
 
 import pdjax
 from pdjax.disagg import ColocatedEngine, PDEngine
+from pdjax.experiments import progress, schema
+from pdjax.experiments.results import Result, markdown_table
 from pdjax.experiments.runner import with_defaults
 
 DEFAULTS = {
@@ -32,6 +35,9 @@ DEFAULTS = {
                  "long_first_arrival_s": 0.4, "long_interval_s": 0.5, "seed": 1},
     "engine": {"block_size": 16, "max_decode_slots": 12, "max_context": 1024, "chunk_tokens": 128},
 }
+CONFIG = schema.from_defaults("pd_vs_colocated", DEFAULTS)
+SCALED = {"workload": ("short_requests", "long_requests", "long_prompt"),
+          "engine": ("max_decode_slots", "max_context", "chunk_tokens")}
 
 
 def workload(cfg: dict, vocab: int):
@@ -56,8 +62,11 @@ def _itl_series(stats, n_short):
     return sorted(pts)
 
 
-def run_pd_vs_colocated(cfg: dict, out_dir: str) -> dict:
+def run_pd_vs_colocated(cfg: dict, out_dir: str) -> Result:
     c = with_defaults(cfg, DEFAULTS, "pd_vs_colocated")
+    scale = cfg.get("scale", 1)
+    for sec, keys in SCALED.items():
+        c[sec].update({k: c[sec][k] * scale for k in keys})
     if jax.device_count() < 8:
         raise ValueError(f"pd_vs_colocated needs 8 devices, got {jax.device_count()} "
                          "(set XLA_FLAGS=--xla_force_host_platform_device_count=8; `pdjax run` does)")
@@ -67,22 +76,23 @@ def run_pd_vs_colocated(cfg: dict, out_dir: str) -> dict:
     e = c["engine"]
     devs = jax.devices()
     engines = {
-        "colocated": ColocatedEngine(params, mcfg, devices=devs[:4], mesh={"data": 2, "expert": 2},
-                                     block_size=e["block_size"], max_decode_slots=e["max_decode_slots"],
-                                     max_context=e["max_context"]),
-        "pd": PDEngine(params, mcfg, prefill_devices=devs[:4], decode_devices=devs[4:],
-                       prefill_mesh={"expert": 4}, decode_mesh={"data": 2, "expert": 2},
-                       block_size=e["block_size"], max_decode_slots=e["max_decode_slots"],
-                       max_context=e["max_context"]),
+        "colocated": lambda: ColocatedEngine(params, mcfg, devices=devs[:4], mesh={"data": 2, "expert": 2},
+                                             block_size=e["block_size"], max_decode_slots=e["max_decode_slots"],
+                                             max_context=e["max_context"]),
+        "pd": lambda: PDEngine(params, mcfg, prefill_devices=devs[:4], decode_devices=devs[4:],
+                               prefill_mesh={"expert": 4}, decode_mesh={"data": 2, "expert": 2},
+                               block_size=e["block_size"], max_decode_slots=e["max_decode_slots"],
+                               max_context=e["max_context"]),
     }
     if e["chunk_tokens"]:
-        engines["colocated_chunked"] = ColocatedEngine(
+        engines["colocated_chunked"] = lambda: ColocatedEngine(
             params, mcfg, devices=devs[:4], mesh={"data": 2, "expert": 2}, block_size=e["block_size"],
             max_decode_slots=e["max_decode_slots"], max_context=e["max_context"],
             prefill_chunk_tokens=e["chunk_tokens"])
     n_short = c["workload"]["short_requests"]
     results, summary = {}, {}
-    for name, eng in engines.items():
+    for name, make in progress.track(list(engines.items()), "pd_vs_colocated: engines (compile + serve)"):
+        eng = make()
         eng.generate(prompts, max_new_tokens=new)                       # warm-up: compile everything
         out = eng.generate(prompts, max_new_tokens=new, arrival_times=arrivals)
         results[name] = out
@@ -96,7 +106,7 @@ def run_pd_vs_colocated(cfg: dict, out_dir: str) -> dict:
                          "kv_bytes_sent": st["kv_bytes_sent"],
                          "series": _itl_series(st, n_short)}
     same = all(out == results["colocated"] for out in results.values())
-    _plot(summary, arrivals[n_short:], os.path.join(out_dir, "itl_over_time.png"))
+    fig = _plot(summary, arrivals[n_short:])
     co, pd = summary["colocated"], summary["pd"]
     headline = (f"decode ITL P99 {co['itl_p99_ms']:.1f} ms colocated vs {pd['itl_p99_ms']:.1f} ms PD "
                 f"(max {co['itl_max_ms']:.1f} vs {pd['itl_max_ms']:.1f} ms) while {len(arrivals) - n_short} "
@@ -105,23 +115,23 @@ def run_pd_vs_colocated(cfg: dict, out_dir: str) -> dict:
         ch = summary["colocated_chunked"]
         headline += (f"; colocated with {e['chunk_tokens']}-token prefill chunks: ITL P99 {ch['itl_p99_ms']:.1f} ms, "
                      f"long-prompt TTFT {ch['ttft_long_mean_ms']:.0f} vs {co['ttft_long_mean_ms']:.0f} ms")
-    rows = "\n".join(f"| {k} | {v['itl_p50_ms']:.1f} | {v['itl_p99_ms']:.1f} | {v['itl_max_ms']:.1f} | "
-                     f"{v['ttft_long_mean_ms']:.1f} | {v['kv_bytes_sent']:,} |" for k, v in summary.items())
-    with open(os.path.join(out_dir, "report.md"), "w") as f:
-        f.write(f"# PD vs colocated (real engines, {mcfg.num_hidden_layers}-layer {c['model']['preset']} model, "
-                f"8 CPU devices)\n\n{headline}\n\n| engine | ITL P50 ms | ITL P99 ms | ITL max ms | "
-                f"TTFT long ms | KV bytes sent |\n|---|---|---|---|---|---|\n{rows}\n\n"
-                "![ITL over time](itl_over_time.png)\n\nThe simulated CPU devices share the host's cores, so "
-                "a prefill on the prefill devices still slows the decode devices down: the PD spikes are "
-                "compute contention, the colocated ones add the wait behind the whole prefill.\n")
-    with open(os.path.join(out_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
-    print(headline)
-    return {"headline": headline, "identical_tokens": same,
-            **{k: {kk: vv for kk, vv in v.items() if kk != "series"} for k, v in summary.items()}}
+    measured = [{"engine": k, **{kk: vv for kk, vv in v.items() if kk not in ("series", "kv_bytes_sent")}}
+                for k, v in summary.items()]
+    series = [{"engine": k, "time_s": t, "itl_ms": 1e3 * x} for k, v in summary.items() for t, x in v["series"]]
+    body = (f"Real engines, {mcfg.num_hidden_layers}-layer {c['model']['preset']} model on 8 CPU devices.\n\n"
+            + markdown_table(measured) + "\n\nThe simulated CPU devices share the host's cores, so a prefill on the "
+            "prefill devices still slows the decode devices down: the PD spikes are compute contention, the "
+            "colocated ones add the wait behind the whole prefill.")
+    metrics = {"identical_tokens": same, "requests": len(prompts), "long_prompt": c["workload"]["long_prompt"],
+               "kv_bytes_sent": {k: v["kv_bytes_sent"] for k, v in summary.items()},
+               "tokens": [list(map(int, o)) for o in results["colocated"]]}
+    return Result("PD vs colocated (real engines)", headline, metrics=metrics,
+                  wall_clock={m["engine"]: {k: v for k, v in m.items() if k != "engine"} for m in measured},
+                  tables={"engines": measured, "itl_series": series}, measured_tables=("engines", "itl_series"),
+                  figures={"itl_over_time": fig}, body=body)
 
 
-def _plot(summary, long_arrivals, path):
+def _plot(summary, long_arrivals):
     from matplotlib.figure import Figure
     fig = Figure(figsize=(8, 3.5))
     ax = fig.subplots()
@@ -137,4 +147,4 @@ def _plot(summary, long_arrivals, path):
     ax.set_yscale("log")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return fig

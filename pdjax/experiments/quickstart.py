@@ -2,12 +2,14 @@
 of prompts, and report throughput and the latent KV cache against the MHA counterfactual.
 
 Each capability adds a section to the same report: a function ``(config, out_dir) ->
-(markdown, data)`` in ``SECTIONS``.
+Section`` in ``SECTIONS``. ``scale`` multiplies the batch, the prompt length and the new
+tokens, the PD-vs-colocated run's requests and prompts, and the executed pipeline's model
+widths and batch (see those experiments).
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
 import time
 
@@ -16,6 +18,8 @@ import numpy as np
 
 import pdjax
 from pdjax import analysis
+from pdjax.experiments import progress, results, schema
+from pdjax.experiments.results import Result
 from pdjax.experiments.runner import with_defaults
 
 DEFAULTS = {
@@ -32,6 +36,18 @@ DEFAULTS = {
     "executed": {"schedules": ["zb1p", "dualpipe"], "ranks": 2, "microbatches": 4, "layers": 2, "rows": 2,
                  "seq_len": 16, "repeats": 3, "op_repeats": 2},
 }
+CONFIG = schema.from_defaults("quickstart", DEFAULTS)
+
+
+@dataclasses.dataclass
+class Section:
+    """One part of the report: its markdown, its reproducible metrics, its measured times and
+    its figures (name -> matplotlib Figure)."""
+
+    markdown: str
+    metrics: dict = dataclasses.field(default_factory=dict)
+    wall_clock: dict = dataclasses.field(default_factory=dict)
+    figures: dict = dataclasses.field(default_factory=dict)
 
 
 def _table(t: dict) -> str:
@@ -39,15 +55,22 @@ def _table(t: dict) -> str:
 
 
 def _merged(cfg: dict) -> dict:
+    """The config's tables over DEFAULTS, the workload multiplied by ``scale``."""
     out = with_defaults(cfg, DEFAULTS, "quickstart")
     w = out["workload"]
     for k in ("batch", "prompt_len", "max_new_tokens"):
-        if not isinstance(w[k], int) or w[k] <= 0:
-            raise ValueError(f"quickstart config [workload] {k} must be a positive integer, got {w[k]!r}")
+        if w[k] <= 0:
+            raise ValueError(f"workload.{k}: must be >= 1, got {w[k]!r}")
+        w[k] *= cfg.get("scale", 1)
     return out
 
 
-def model_section(cfg: dict, out_dir: str) -> tuple[str, dict]:
+def check_config(cfg: dict) -> None:
+    """Value checks the types cannot express (ValueError naming the key)."""
+    _merged(cfg)
+
+
+def model_section(cfg: dict, out_dir: str) -> Section:
     c = _merged(cfg)
     mcfg = pdjax.configs.preset(c["model"]["preset"])
     w = c["workload"]
@@ -93,14 +116,17 @@ def model_section(cfg: dict, out_dir: str) -> tuple[str, dict]:
         "batch": B,
         "prompt_len": T,
         "new_tokens": N,
-        "compile_s": round(compile_s, 2),
-        "prefill_tok_s": round(B * T / t_prefill, 1),
-        "decode_tok_s": round(B * (N - 1) / t_decode, 1),
-        "decode_step_ms": round(1e3 * t_decode / max(N - 1, 1), 2),
         "generate_agrees": agree,
         "kv_bytes_per_token_mla": mla_bytes,
         "kv_bytes_per_token_mha": mha_bytes,
         "kv_ratio_mha_over_mla": round(mha_bytes / mla_bytes, 2),
+        "first_tokens_row0": [int(t) for t in new_tokens[0, :8]],
+    }
+    timed = {
+        "compile_s": round(compile_s, 2),
+        "prefill_tok_s": round(B * T / t_prefill, 1),
+        "decode_tok_s": round(B * (N - 1) / t_decode, 1),
+        "decode_step_ms": round(1e3 * t_decode / max(N - 1, 1), 2),
     }
     md = [
         "## Model: prefill and decode",
@@ -110,9 +136,9 @@ def model_section(cfg: dict, out_dir: str) -> tuple[str, dict]:
         "",
         "| quantity | value |", "|---|---|",
         _table({
-            "prefill throughput": f"{data['prefill_tok_s']:,} tok/s",
-            "decode throughput": f"{data['decode_tok_s']:,} tok/s ({data['decode_step_ms']} ms/step)",
-            "compile (first call)": f"{data['compile_s']} s",
+            "prefill throughput": f"{timed['prefill_tok_s']:,} tok/s",
+            "decode throughput": f"{timed['decode_tok_s']:,} tok/s ({timed['decode_step_ms']} ms/step)",
+            "compile (first call)": f"{timed['compile_s']} s",
             "decode loop == pdjax.generate": "yes" if agree else "NO",
             "latent KV bytes/token (all layers)":
                 f"{mla_bytes:,} B = {L} layers x ({mcfg.kv_lora_rank} + {mcfg.qk_rope_head_dim}) x {itemsize} B",
@@ -124,10 +150,10 @@ def model_section(cfg: dict, out_dir: str) -> tuple[str, dict]:
         "First tokens of row 0: prompt " + " ".join(map(str, prompts[0, :8])) + " ... -> "
         + " ".join(map(str, new_tokens[0, :8])),
     ]
-    return "\n".join(md), data
+    return Section("\n".join(md), data, timed)
 
 
-def pipeline_section(cfg: dict, out_dir: str) -> tuple[str, dict]:
+def pipeline_section(cfg: dict, out_dir: str) -> Section:
     """DeepSeek's reference DualPipe example (8 ranks, 20 micro-batches) against 1F1B and ZB1P:
     simulated bubbles next to the closed forms, and a Gantt chart of DualPipe."""
     from pdjax import pipeline
@@ -136,17 +162,15 @@ def pipeline_section(cfg: dict, out_dir: str) -> tuple[str, dict]:
     costs = dict(F=1.0, B=2.0, W=1.0, FB=2.5)
     rows = pipeline.compare(["1f1b", "zb1p", "dualpipe"], P, m, **costs)
     timeline = pipeline.simulate(pipeline.build("dualpipe", num_ranks=P, num_microbatches=m), **costs)
-    png = os.path.join(out_dir, "dualpipe_8x20.png")
-    pipeline.plot(timeline, png)
     md = ["## Pipeline schedules", f"P = {P} stages, m = {m} micro-batches, F=1, B=2 (I=1, W=1), F&B=2.5, "
           "no comm latency. Simulated (ASAP list scheduling of the generated op order) vs formula:", "",
-          "```", pipeline.format_report(rows), "```", "", "DualPipe Gantt chart: ![dualpipe](dualpipe_8x20.png)"]
+          "```", pipeline.format_report(rows), "```", "", "DualPipe Gantt chart: dualpipe_8x20 (Figures)."]
     data = {r.schedule: {"sim_bubble": r.sim_bubble, "formula_bubble": r.formula_bubble,
                          "bubble_ratio": r.bubble_ratio} for r in rows}
-    return "\n".join(md), data
+    return Section("\n".join(md), data, figures={"dualpipe_8x20": pipeline.plot(timeline)})
 
 
-def analysis_section(cfg: dict, out_dir: str) -> tuple[str, dict]:
+def analysis_section(cfg: dict, out_dir: str) -> Section:
     """Roofline and KV accounting of a published config on a hardware preset."""
     a = _merged(cfg)["analysis"]
     mcfg = pdjax.configs.preset(a["preset"])
@@ -156,10 +180,10 @@ def analysis_section(cfg: dict, out_dir: str) -> tuple[str, dict]:
     data = {"kv_bytes_per_token_mla": analysis.kv_bytes_per_token(mcfg, 2, "mla"),
             "kv_bytes_per_token_mha": analysis.kv_bytes_per_token(mcfg, 2, "mha"),
             "machine_balance_bf16": analysis.machine_balance(a["hardware"], "bf16")}
-    return "## Analysis\n" + md, data
+    return Section("## Analysis\n" + md, data)
 
 
-def pd_section(cfg: dict, out_dir: str) -> tuple[str, dict]:
+def pd_section(cfg: dict, out_dir: str) -> Section:
     """The quick start's prompts through a real PD-disaggregated engine: prefill on devices
     0-3 (EP4), decode on 4-7 (DP2 x EP2, paged cache), latent KV handed off layer by layer."""
     import jax
@@ -167,7 +191,7 @@ def pd_section(cfg: dict, out_dir: str) -> tuple[str, dict]:
 
     c = _merged(cfg)
     if jax.device_count() < 8:
-        return "## PD disaggregation\nskipped: needs 8 devices (`pdjax run` provides them)", {}
+        return Section("## PD disaggregation\nskipped: needs 8 devices (`pdjax run` provides them)")
     mcfg = pdjax.configs.preset(c["model"]["preset"])
     params = pdjax.init_params(mcfg, jax.random.key(c["model"]["seed"]))
     w = c["workload"]
@@ -187,80 +211,93 @@ def pd_section(cfg: dict, out_dir: str) -> tuple[str, dict]:
     formula = sum(len(p) for p in prompts) * mcfg.kv_latent_dim * mcfg.num_hidden_layers * 4
     ttft = [r["ttft"] for r in st["requests"]]
     tpot = [r["tpot"] for r in st["requests"] if r["tpot"] is not None]
-    data = {"identical_to_generate": same, "kv_bytes_sent": st["kv_bytes_sent"], "kv_bytes_formula": formula,
-            "ttft_ms_mean": 1e3 * float(np.mean(ttft)), "tpot_ms_mean": 1e3 * float(np.mean(tpot))}
+    data = {"identical_to_generate": same, "kv_bytes_sent": st["kv_bytes_sent"], "kv_bytes_formula": formula}
+    timed = {"ttft_ms_mean": 1e3 * float(np.mean(ttft)), "tpot_ms_mean": 1e3 * float(np.mean(tpot)),
+             "compile_s": compile_s}
     md = ["## PD disaggregation", f"{len(prompts)} prompts ({', '.join(str(len(p)) for p in prompts)} tokens), "
           f"{N} new tokens each, through PDEngine (prefill EP4 on devices 0-3, decode DP2xEP2 on 4-7).", "",
           "| quantity | value |", "|---|---|",
           _table({"tokens identical to pdjax.generate": "yes" if same else "NO",
                   "KV bytes handed off": f"{st['kv_bytes_sent']:,} B (prompt tokens x (C+R) x layers x 4 B "
                                          f"= {formula:,} B)",
-                  "mean TTFT / TPOT (compiled)": f"{data['ttft_ms_mean']:.1f} ms / {data['tpot_ms_mean']:.1f} ms",
+                  "mean TTFT / TPOT (compiled)": f"{timed['ttft_ms_mean']:.1f} ms / {timed['tpot_ms_mean']:.1f} ms",
                   "first call (compiles)": f"{compile_s:.1f} s"}),
           ""]
-    md += _stall(c, out_dir, data)
-    return "\n".join(md), data
+    md += _stall(c, cfg.get("scale", 1), out_dir, data, timed)
+    return Section("\n".join(md), data, timed)
 
 
-def _stall(c: dict, out_dir: str, data: dict) -> list[str]:
+def _stall(c: dict, scale: int, out_dir: str, data: dict, timed: dict) -> list[str]:
     """The pd_vs_colocated experiment, shortened: its headline and plot in the report."""
     from pdjax.experiments.pd_vs_colocated import run_pd_vs_colocated
     st = c["stall"]
     if not st["long_requests"]:
         return ["Long prefills landing during decode: `pdjax run experiments/pd_vs_colocated.toml`."]
     sub = os.path.join(out_dir, "pd_vs_colocated")
-    os.makedirs(sub, exist_ok=True)
     workload = {k: v for k, v in st.items() if k != "chunk_tokens"}
-    res = run_pd_vs_colocated({"model": c["model"], "workload": workload,
+    res = run_pd_vs_colocated({"model": c["model"], "workload": workload, "scale": scale,
                                "engine": {"chunk_tokens": st["chunk_tokens"],
                                           "max_context": st["long_prompt"] + 64}}, sub)
-    data["stall_headline"] = res["headline"]
-    return ["### Long prefills landing during decode", "", res["headline"] + ".", "",
+    results.write(res, sub)
+    data["stall"] = res.metrics
+    timed["stall"] = res.wall_clock
+    return ["### Long prefills landing during decode", "", res.headline + ".", "",
             "![ITL over time](pd_vs_colocated/itl_over_time.png)", "",
-            "Full run: `pdjax run experiments/pd_vs_colocated.toml`."]
+            "Full run: `pdjax run experiments/pd_vs_colocated.toml`; this part: "
+            "[pd_vs_colocated/report.md](pd_vs_colocated/report.md)."]
 
 
-def executed_pipeline_section(cfg: dict, out_dir: str) -> tuple[str, dict]:
+def executed_pipeline_section(cfg: dict, out_dir: str) -> Section:
     """The executed_bubbles experiment, shortened: schedules run as training steps of a
     2-layer model of the quick start's preset, measured vs simulated with isolated op times."""
-    from pdjax.experiments.executed_bubbles import run_executed_bubbles
+    from pdjax.experiments import executed_result
     from pdjax.pipeline.executed import markdown_table
 
     c = _merged(cfg)
     e = c["executed"]
     full = "Full run: `pdjax run experiments/executed_bubbles.toml`."
     if not e["schedules"]:
-        return "## Executed pipeline\nskipped ([executed] schedules = []). " + full, {}
+        return Section("## Executed pipeline\nskipped ([executed] schedules = []). " + full)
     if jax.device_count() < e["ranks"]:
-        return f"## Executed pipeline\nskipped: needs {e['ranks']} devices (`pdjax run` provides them)", {}
+        return Section(f"## Executed pipeline\nskipped: needs {e['ranks']} devices (`pdjax run` provides them)")
     sub = os.path.join(out_dir, "executed_pipeline")
-    res = run_executed_bubbles({
+    res = executed_result.run({
         "run": {k: e[k] for k in ("schedules", "ranks", "microbatches", "repeats", "op_repeats")},
         "model": {"preset": c["model"]["preset"], "layers": e["layers"], "seed": c["model"]["seed"]},
-        "batch": {"rows": e["rows"], "seq_len": e["seq_len"]}}, sub)
-    rows, last = res["row_objects"], e["schedules"][-1]
+        "batch": {"rows": e["rows"], "seq_len": e["seq_len"]}, "scale": cfg.get("scale", 1)}, sub)
+    results.write(res, sub)
+    last = e["schedules"][-1]
     about = (f"{', '.join(e['schedules'])} run as real training steps of a {e['layers']}-layer "
              f"{c['model']['preset']} model on {e['ranks']} devices (one per rank), {e['microbatches']} micro-batches "
              f"of {e['rows']} x {e['seq_len']} tokens: the executor's measured timeline against `simulate()` fed "
              "with every op's time measured in isolation (the simulated devices share the host's cores, so the measured "
              "run is usually slower than the isolated op times predict).")
-    md = ["## Executed pipeline", about, "", markdown_table(rows),
-          f"{last}, measured (top) vs simulated (bottom): ![{last}](executed_pipeline/{res['plots'][last]})", "", full]
-    return "\n".join(md), {"headline": res["headline"], "rows": res["rows"]}
+    md = ["## Executed pipeline", about, "", markdown_table(res["row_objects"]),
+          f"{last}, measured (top) vs simulated (bottom): ![{last}](executed_pipeline/{last}.png)", "",
+          f"{full} This part: [executed_pipeline/report.md](executed_pipeline/report.md)."]
+    return Section("\n".join(md), res.metrics, {"headline": res.headline})
 
 
 SECTIONS = [model_section, analysis_section, pipeline_section, executed_pipeline_section, pd_section]
 
 
-def run_quickstart(cfg: dict, out_dir: str) -> dict:
-    parts, summary = ["# pdjax quick start", ""], {}
-    for section in SECTIONS:
-        md, data = section(cfg, out_dir)
-        parts += [md, ""]
-        summary[section.__name__] = data
-        print(md, "\n", flush=True)
-    with open(os.path.join(out_dir, "report.md"), "w") as f:
-        f.write("\n".join(parts))
-    with open(os.path.join(out_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2, default=str)
-    return summary
+def run_quickstart(cfg: dict, out_dir: str) -> Result:
+    """Every section of :data:`SECTIONS` into one Result; metrics and wall_clock are keyed by
+    section (``model``, ``analysis``, ``pipeline``, ``executed_pipeline``, ``pd``)."""
+    parts, metrics, wall_clock, figures = [], {}, {}, {}
+    for section in progress.track(SECTIONS, "quickstart: sections"):
+        s = section(cfg, out_dir)
+        key = section.__name__.removesuffix("_section")
+        parts.append(s.markdown)
+        metrics[key], figures = s.metrics, {**figures, **s.figures}
+        if s.wall_clock:
+            wall_clock[key] = s.wall_clock
+    m = metrics["model"]
+    headline = (f"{m['model']} model: decode loop == pdjax.generate: {'yes' if m['generate_agrees'] else 'NO'}; "
+                f"latent KV {m['kv_bytes_per_token_mla']:,} B/token vs {m['kv_bytes_per_token_mha']:,} B for MHA "
+                f"({m['kv_ratio_mha_over_mla']}x)")
+    if metrics["pd"]:
+        same = metrics["pd"]["identical_to_generate"]
+        headline += f"; PD engine tokens identical to generate: {'yes' if same else 'NO'}"
+    return Result("pdjax quick start", headline, metrics=metrics, wall_clock=wall_clock, figures=figures,
+                  body="\n\n".join(parts))

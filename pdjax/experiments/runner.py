@@ -1,48 +1,86 @@
 """Experiment configs and the runner.
 
-An experiment config is a TOML file with a top-level ``kind`` (which experiment), a
-``name`` (the run directory prefix) and kind-specific tables. ``run(path)`` loads it,
-validates it, runs the experiment into ``runs/<name>-<YYYYmmdd-HHMMSS>/`` and returns its
-summary dict; each experiment writes a ``report.md`` there.
+An experiment config is a TOML file with the top-level keys of :class:`schema.Header`
+(``kind``: which experiment; ``name``: the run directory, default the kind; ``description``;
+``scale``: an integer >= 1 multiplying the experiment's size) and the tables of the kind's
+schema. :func:`load_config` parses it against that schema before anything runs: unknown
+keys, wrong types and out-of-range values raise ValueError naming the dotted key.
+:func:`run` runs it into ``runs/<name>/<YYYYmmdd-HHMMSS>/`` (see :mod:`results` for what the
+directory holds) and returns the directory and the experiment's :class:`results.Result`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import importlib
 import json
 import os
 import tomllib
-from typing import Callable
+from typing import Optional
+
+from pdjax.experiments import progress, results, schema
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+    """One experiment kind, imported on first use from ``module``: ``schema`` names its config
+    schema (a dataclass of its tables), ``runner`` its function ``(resolved config, run dir)
+    -> Result`` and ``check`` (optional) a function ``(resolved config) -> None`` raising
+    ValueError for what the types cannot say (e.g. a schedule name)."""
+
+    module: str
+    schema: str
+    runner: str
+    check: Optional[str] = None
+
+    def attr(self, name: str):
+        return getattr(importlib.import_module(self.module), name)
+
+
+_SERVING = "pdjax.experiments.serving"
+EXPERIMENTS: dict[str, Experiment] = {
+    "quickstart": Experiment("pdjax.experiments.quickstart", "CONFIG", "run_quickstart", "check_config"),
+    "bubble_sweep": Experiment("pdjax.experiments.bubble_sweep", "Config", "run_bubble_sweep"),
+    "dbo_sweep": Experiment("pdjax.experiments.dbo_sweep", "CONFIG", "run_dbo_sweep"),
+    "pd_vs_colocated": Experiment("pdjax.experiments.pd_vs_colocated", "CONFIG", "run_pd_vs_colocated"),
+    "executed_bubbles": Experiment("pdjax.experiments.executed_result", "CONFIG", "run", "check"),
+    # serving simulation (pdjax.sim)
+    "colocated_vs_pd": Experiment(_SERVING, "ColocatedVsPDConfig", "run_colocated_vs_pd"),
+    "pd_ratio_sweep": Experiment(_SERVING, "PDRatioSweepConfig", "run_pd_ratio_sweep"),
+    "afd_ratio_sweep": Experiment(_SERVING, "AFDRatioSweepConfig", "run_afd_ratio_sweep"),
+    "link_bandwidth": Experiment(_SERVING, "LinkBandwidthConfig", "run_link_bandwidth"),
+    "prefix_cache_capacity": Experiment(_SERVING, "PrefixCacheConfig", "run_prefix_cache_capacity"),
+}
 
 
 def with_defaults(cfg: dict, defaults: dict, kind: str) -> dict:
-    """Each table of ``defaults`` updated with the config's table of the same name. Unknown
-    keys, and values whose type differs from the default's (an int where a float is due is
-    fine), raise ValueError naming the table and key."""
-    out = {}
-    for sec, d in defaults.items():
-        given = cfg.get(sec, {})
-        if not isinstance(given, dict):
-            raise ValueError(f"{kind} config: [{sec}] must be a table, got {given!r}")
-        unknown = set(given) - set(d)
-        if unknown:
-            raise ValueError(f"{kind} config [{sec}] has unknown keys {sorted(unknown)}")
-        for key, value in given.items():
-            _check_type(kind, sec, key, value, d[key])
-        out[sec] = {**d, **given}
-    return out
+    """The tables of ``defaults`` (``{table: {key: default}}``) updated with the config's
+    tables of the same name, typed by their defaults (:func:`schema.from_defaults`): unknown
+    keys and wrong types raise ValueError naming ``table.key``."""
+    cls = schema.from_defaults(kind, defaults)
+    return schema.to_dict(schema.parse(cls, {k: cfg[k] for k in defaults if k in cfg}))
 
 
-def _check_type(kind: str, sec: str, key: str, value, default) -> None:
-    if default is None:
-        return
-    want = type(default)
-    ok = isinstance(value, want) and not (isinstance(value, bool) and want is not bool)
-    if want is float and isinstance(value, int) and not isinstance(value, bool):
-        ok = True
-    if not ok:
-        raise ValueError(f"{kind} config [{sec}] {key} must be {want.__name__} like its default "
-                         f"{default!r}, got {type(value).__name__} {value!r}")
+def resolve(cfg: dict) -> dict:
+    """``cfg`` (a parsed TOML dict) checked against its kind's schema, every default filled
+    in: the resolved config the experiment runs with and ``config.json`` records."""
+    kind = cfg.get("kind")
+    if kind not in EXPERIMENTS:
+        raise ValueError(f"kind: must be one of {', '.join(sorted(EXPERIMENTS))}; got {kind!r}")
+    exp = EXPERIMENTS[kind]
+    tables_cls = exp.attr(exp.schema)
+    header_keys = [f.name for f in dataclasses.fields(schema.Header)]
+    table_keys = [f.name for f in dataclasses.fields(tables_cls)]
+    for key in cfg:
+        if key not in header_keys and key not in table_keys:
+            raise ValueError(f"{key}: unknown key (known: {', '.join(header_keys + table_keys)})")
+    header = schema.parse(schema.Header, {"name": kind, **{k: cfg[k] for k in header_keys if k in cfg}})
+    tables = schema.parse(tables_cls, {k: cfg[k] for k in table_keys if k in cfg})
+    resolved = {**schema.to_dict(header), **schema.to_dict(tables)}
+    if exp.check:
+        exp.attr(exp.check)(resolved)
+    return resolved
 
 
 def parse_override(text: str) -> tuple[list[str], object]:
@@ -74,59 +112,9 @@ def apply_overrides(cfg: dict, overrides) -> dict:
     return cfg
 
 
-def _quickstart(cfg, out_dir):
-    from pdjax.experiments.quickstart import run_quickstart
-    return run_quickstart(cfg, out_dir)
-
-
-def _bubble_sweep(cfg, out_dir):
-    from pdjax.pipeline.sweep import run_bubble_sweep
-    summary = run_bubble_sweep({k: cfg[k] for k in ("sweep", "costs") if k in cfg}, out_dir)
-    lines = ["# Pipeline bubble sweep", "", summary["headline"], "",
-             "Simulated vs closed-form bubble per schedule x P x m: bubble_sweep.csv; plot: "
-             "bubble_sweep.png.", "", "```", json.dumps(summary, indent=2, default=str), "```", ""]
-    with open(os.path.join(out_dir, "report.md"), "w") as f:
-        f.write("\n".join(lines))
-    print("\n".join(lines[:3]))
-    return summary
-
-
-def _dbo_sweep(cfg, out_dir):
-    from pdjax.experiments.dbo_sweep import run_dbo_sweep
-    return run_dbo_sweep(cfg, out_dir)
-
-
-def _pd_vs_colocated(cfg, out_dir):
-    from pdjax.experiments.pd_vs_colocated import run_pd_vs_colocated
-    return run_pd_vs_colocated(cfg, out_dir)
-
-
-def _executed_bubbles(cfg, out_dir):
-    from pdjax.experiments.executed_bubbles import run_executed_bubbles
-    return run_executed_bubbles(cfg, out_dir)
-
-
-def _sim(kind):
-    def run(cfg, out_dir):
-        from pdjax.sim.experiments import RUNNERS
-        return RUNNERS[kind](cfg, out_dir)
-    return run
-
-
-EXPERIMENTS: dict[str, Callable[[dict, str], dict]] = {
-    "quickstart": _quickstart,
-    "bubble_sweep": _bubble_sweep,
-    "dbo_sweep": _dbo_sweep,
-    "pd_vs_colocated": _pd_vs_colocated,
-    "executed_bubbles": _executed_bubbles,
-    # serving simulation (pdjax.sim)
-    **{k: _sim(k) for k in ("colocated_vs_pd", "pd_ratio_sweep", "afd_ratio_sweep", "link_bandwidth",
-                            "prefix_cache_capacity")},
-}
-
-
 def load_config(path: str, overrides=None) -> dict:
-    """The config at ``path`` with ``overrides`` (``"table.key=value"`` strings) applied."""
+    """The resolved config (:func:`resolve`) at ``path`` with ``overrides`` (``"table.key=value"``
+    strings) applied. Errors are ValueError ``"<path>: <dotted key>: <what is wrong>"``."""
     try:
         with open(path, "rb") as f:
             cfg = tomllib.load(f)
@@ -135,28 +123,52 @@ def load_config(path: str, overrides=None) -> dict:
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"malformed experiment config {path}: {e}") from None
     cfg = apply_overrides(cfg, overrides)
-    kind = cfg.get("kind")
-    if kind not in EXPERIMENTS:
-        raise ValueError(f"{path}: 'kind' must be one of {sorted(EXPERIMENTS)}, got {kind!r}")
-    name = cfg.setdefault("name", kind)
-    if not isinstance(name, str) or not name or "/" in name:
-        raise ValueError(f"{path}: 'name' must be a non-empty string without '/', got {name!r}")
-    return cfg
+    try:
+        return resolve(cfg)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
 
 
-def run(path: str, runs_dir: str = "runs", overrides=None) -> tuple[str, dict]:
-    """Run the experiment at ``path`` (with ``overrides``, see :func:`apply_overrides`).
-    Returns (run directory, summary); the run directory holds ``config.json``, the config as
-    run (overrides applied)."""
-    cfg = load_config(path, overrides)
+def new_run_dir(runs_dir: str, name: str) -> str:
+    """A fresh ``<runs_dir>/<name>/<YYYYmmdd-HHMMSS>`` (``-2``, ``-3``, ... when taken)."""
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out_dir = os.path.join(runs_dir, f"{cfg['name']}-{stamp}")
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump({"source": os.path.abspath(path), "overrides": list(overrides or ()), "config": cfg},
-                  f, indent=2, default=str)
-    summary = EXPERIMENTS[cfg["kind"]](cfg, out_dir)
-    return out_dir, summary
+    base = os.path.join(runs_dir, name, stamp)
+    os.makedirs(os.path.dirname(base), exist_ok=True)
+    for n in range(1, 1000):
+        candidate = base if n == 1 else f"{base}-{n}"
+        try:
+            os.mkdir(candidate)
+            return candidate
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"no free run directory under {os.path.dirname(base)}")
+
+
+def run(path: str, runs_dir: str = "runs", overrides=None, show_progress: bool = False
+        ) -> tuple[str, results.Result]:
+    """Run the experiment at ``path`` (with ``overrides``, see :func:`apply_overrides`): the
+    config is resolved (and any error raised) before the run directory is made. Returns (run
+    directory, Result); ``show_progress`` draws progress bars on stderr."""
+    cfg = load_config(path, overrides)
+    exp = EXPERIMENTS[cfg["kind"]]
+    runner = exp.attr(exp.runner)
+    run_dir = new_run_dir(runs_dir, cfg["name"])
+    with open(os.path.join(run_dir, results.CONFIG_FILE), "w") as f:
+        json.dump({"source": os.path.abspath(path), "overrides": list(overrides or ()), "config": cfg}, f,
+                  indent=2)
+        f.write("\n")
+    with progress.bars(enabled=show_progress):
+        result = runner(cfg, run_dir)
+    results.write(result, run_dir)
+    return run_dir, result
+
+
+def report(run_dir: str) -> str:
+    """Rebuild ``report.md`` of a run directory from its saved files (nothing is recomputed);
+    returns its path."""
+    if not os.path.isdir(run_dir):
+        raise FileNotFoundError(f"no run directory {run_dir}")
+    return results.rebuild_report(run_dir)
 
 
 def list_experiments(directory: str = "experiments") -> list[tuple[str, str, str]]:

@@ -15,7 +15,8 @@ Config (see experiments/bubble_sweep.toml)::
     comm = 0.0
 
 :func:`run_bubble_sweep` writes ``bubble_sweep.csv`` and ``bubble_sweep.png`` into
-``out_dir`` and returns a headline summary.
+``out_dir`` and returns a headline summary; :func:`grid`, :func:`sweep_row`,
+:func:`summarize` and :func:`figure` are its parts (``pdjax run`` drives them itself).
 """
 
 from __future__ import annotations
@@ -81,22 +82,26 @@ def parse_config(config: dict) -> dict:
     }
 
 
+def grid(cfg: dict) -> list[tuple[str, int, int]]:
+    """The (schedule, P, m) points of a parsed config, in table order (P, then schedule, then m)."""
+    return [(name, p, k * p) for p in cfg["num_stages"] for name in cfg["schedules"] for k in cfg["multipliers"]]
+
+
+def sweep_row(cfg: dict, point: tuple[str, int, int]) -> ReportRow:
+    """One point of :func:`grid`, simulated next to its closed form."""
+    name, p, m = point
+    return compare_one(name, p, m, num_stages_per_rank=cfg["num_stages_per_rank"], **cfg["costs"])
+
+
 def run_bubble_sweep(config_dict: dict, out_dir) -> dict:
     """Run the sweep; write ``bubble_sweep.csv`` and ``bubble_sweep.png`` to ``out_dir``.
 
-    Returns a summary: row counts, how many rows the closed form matched / did not
-    apply / mismatched, the largest |simulated - formula| where it applies, the best
-    schedule per P at the largest m, a one-line ``headline`` and the output paths.
+    Returns :func:`summarize` of the rows plus the output paths (``csv``, ``plot``).
     """
     cfg = parse_config(config_dict)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rows: list[ReportRow] = []
-    for p in cfg["num_stages"]:
-        for name in cfg["schedules"]:
-            for k in cfg["multipliers"]:
-                rows.append(compare_one(name, p, k * p, num_stages_per_rank=cfg["num_stages_per_rank"],
-                                        **cfg["costs"]))
+    rows = [sweep_row(cfg, point) for point in grid(cfg)]
     csv_path = out / "bubble_sweep.csv"
     fields = list(rows[0].as_dict())
     with csv_path.open("w", newline="") as fh:
@@ -105,11 +110,14 @@ def run_bubble_sweep(config_dict: dict, out_dir) -> dict:
         for r in rows:
             writer.writerow(r.as_dict())
     plot_path = out / "bubble_sweep.png"
-    _plot(rows, cfg, plot_path)
-    return _summary(rows, cfg, csv_path, plot_path)
+    figure(rows, cfg).savefig(plot_path, dpi=120)
+    return {**summarize(rows, cfg), "csv": str(csv_path), "plot": str(plot_path)}
 
 
-def _summary(rows, cfg, csv_path, plot_path) -> dict:
+def summarize(rows, cfg) -> dict:
+    """Row counts, how many rows the closed form matched / did not apply / mismatched, the
+    largest |simulated - formula| where it applies, the best schedule per P at the largest m
+    and a one-line ``headline``."""
     ran = [r for r in rows if not r.note]
     applies = [r for r in ran if r.formula_applies]
     errors = [abs(r.sim_bubble - r.formula_bubble) for r in applies]
@@ -135,12 +143,11 @@ def _summary(rows, cfg, csv_path, plot_path) -> dict:
         "max_abs_error_where_applies": max(errors, default=0.0),
         "best_at_largest_m": best,
         "headline": headline,
-        "csv": str(csv_path),
-        "plot": str(plot_path),
     }
 
 
-def _plot(rows, cfg, path: Path) -> None:
+def figure(rows, cfg):
+    """Simulated bubble ratio against m, one panel per P (a matplotlib Figure, no pyplot)."""
     from matplotlib.figure import Figure
 
     stages = cfg["num_stages"]
@@ -161,4 +168,4 @@ def _plot(rows, cfg, path: Path) -> None:
     axes[0][0].set_ylabel("simulated bubble ratio")
     axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return fig

@@ -11,7 +11,8 @@ Modules (one concept each): ``cost`` (the cost-model protocol, LinearStepCost),
 ``workload`` / ``trace`` (requests), ``prefix_cache`` (hash-chain LRU with TTL),
 ``policies`` (balancers, chunk sizing), ``instances`` / ``afd`` (step planning),
 ``deployment`` (specs), ``controller`` (dynamic P:D), ``engine`` (the event loop),
-``metrics``, ``search`` (sweeps and SLO binary search), ``experiments`` (runners).
+``metrics``, ``search`` (sweeps and SLO binary search); the experiments built on them:
+``pdjax.experiments.serving``.
 Pure Python + numpy (matplotlib for plots); no jax. See docs/sim.md.
 """
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import pytest
 
@@ -22,23 +23,27 @@ def test_quickstart_runs_and_writes_report(tmp_path):
                .replace("seq_len = 16", "seq_len = 8")      # pd_vs_colocated, executed_bubbles: tested on their own
     cfg = tmp_path / "q.toml"
     cfg.write_text(small)
-    out_dir, summary = runner.run(str(cfg), runs_dir=str(tmp_path / "runs"))
+    out_dir, result = runner.run(str(cfg), runs_dir=str(tmp_path / "runs"))
     report = open(os.path.join(out_dir, "report.md")).read()
     assert "## Model: prefill and decode" in report and "## Pipeline schedules" in report
-    m = summary["model_section"]
+    m = result.metrics["model"]
     assert m["generate_agrees"] is True
     cfg = pdjax.configs.tiny()
     assert m["kv_bytes_per_token_mla"] == analysis.kv_bytes_per_token(cfg, 4, "mla") \
         == cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
     assert "## Analysis" in report
-    pd = summary["pd_section"]
+    pd = result.metrics["pd"]
     assert pd["identical_to_generate"] is True and pd["kv_bytes_sent"] == pd["kv_bytes_formula"]
     assert os.path.exists(os.path.join(out_dir, "dualpipe_8x20.png"))
-    assert json.load(open(os.path.join(out_dir, "summary.json")))["pipeline_section"]["dualpipe"]
+    assert json.load(open(os.path.join(out_dir, "metrics.json")))["metrics"]["pipeline"]["dualpipe"]
     assert "## Executed pipeline" in report and "(executed_pipeline/1f1b.png)" in report
     assert os.path.exists(os.path.join(out_dir, "executed_pipeline", "1f1b.png"))
-    row = summary["executed_pipeline_section"]["rows"][0]
+    assert set(result.wall_clock["model"]) == {"compile_s", "prefill_tok_s", "decode_tok_s", "decode_step_ms"}
+    row = result.metrics["executed_pipeline"]["rows"][0]
     assert row["measured_peak_bytes"] == row["simulated_peak_bytes"]
+    for target in re.findall(r"\]\(([^)\s]+)\)", report):            # every link resolves, sub-runs too
+        assert os.path.isfile(os.path.join(out_dir, target)), target
+    assert os.path.isfile(os.path.join(out_dir, "executed_pipeline", "1f1b.svg"))
 
 
 def test_bubble_sweep_through_the_cli(tmp_path, capsys):
@@ -53,7 +58,7 @@ def test_bubble_sweep_through_the_cli(tmp_path, capsys):
     ('kind = "nope"', "kind"),
     ('kind = "quickstart"\nname = "a/b"', "name"),
     ('kind = "quickstart"\n[workload]\nbatch = 0', "batch"),
-    ('kind = "quickstart"\n[workload]\nbatchsize = 2', "unknown keys"),
+    ('kind = "quickstart"\n[workload]\nbatchsize = 2', "workload.batchsize: unknown key"),
     ('kind = = 1', "malformed"),
 ])
 def test_bad_configs(tmp_path, text, match):
@@ -73,8 +78,8 @@ def test_cli_reports_bad_config_without_traceback(tmp_path, capsys):
 def test_dbo_sweep_experiment(tmp_path):
     cfg = tmp_path / "d.toml"
     cfg.write_text('kind = "dbo_sweep"\n[sweep]\nratios = [0.5, 1.0, 2.0]\nattn_shares = [0.5]\nnum_layers = 2\n')
-    out_dir, summary = runner.run(str(cfg), runs_dir=str(tmp_path / "runs"))
-    gains = {r["comm_over_compute"]: r["gain"] for r in summary["rows"]}
+    out_dir, result = runner.run(str(cfg), runs_dir=str(tmp_path / "runs"))
+    gains = {r["comm_over_compute"]: r["gain"] for r in result.metrics["rows"]}
     assert gains[1.0] == max(gains.values()) and all(g > 1 for g in gains.values())
     assert os.path.exists(os.path.join(out_dir, "dbo_gain.png"))
 
@@ -93,11 +98,15 @@ def test_pd_vs_colocated_small(tmp_path):
     cfg.write_text('kind = "pd_vs_colocated"\n[workload]\nshort_requests = 4\nshort_new_tokens = 6\n'
                    'long_requests = 1\nlong_prompt = 40\nlong_first_arrival_s = 0.0\n'
                    '[engine]\nmax_decode_slots = 4\nmax_context = 64\nchunk_tokens = 16\n')
-    out_dir, summary = runner.run(str(cfg), runs_dir=str(tmp_path / "runs"))
-    assert summary["identical_tokens"] is True
-    assert summary["colocated"]["kv_bytes_sent"] == 0 < summary["pd"]["kv_bytes_sent"]
-    assert summary["colocated_chunked"]["kv_bytes_sent"] == 0      # the same tokens (identical_tokens)
+    out_dir, result = runner.run(str(cfg), runs_dir=str(tmp_path / "runs"))
+    assert result.metrics["identical_tokens"] is True
+    sent = result.metrics["kv_bytes_sent"]
+    assert sent["colocated"] == 0 < sent["pd"]
+    assert sent["colocated_chunked"] == 0      # the same tokens (identical_tokens)
     assert os.path.exists(os.path.join(out_dir, "itl_over_time.png"))
+    saved = json.load(open(os.path.join(out_dir, "metrics.json")))     # latencies are marked as measured
+    assert saved["wall_clock"]["pd"]["itl_p99_ms"] > 0 and "itl_p99_ms" not in json.dumps(saved["metrics"])
+    assert saved["tables"]["engines"]["wall_clock"] and saved["tables"]["itl_series"]["wall_clock"]
 
 
 def test_set_overrides_land_in_the_resolved_config(tmp_path, capsys):
@@ -107,7 +116,7 @@ def test_set_overrides_land_in_the_resolved_config(tmp_path, capsys):
     runs = tmp_path / "runs"
     assert cli.main(["run", str(cfg), "--runs-dir", str(runs), "--set", "sweep.num_stages=[2, 8]",
                      "--set", 'sweep.schedules=["zb1p"]', "--set", "costs.W=0.5"]) == 0
-    (run_dir,) = runs.iterdir()
+    (run_dir,) = (runs / "s").iterdir()
     resolved = json.loads((run_dir / "config.json").read_text())
     assert resolved["config"]["sweep"]["num_stages"] == [2, 8]
     assert resolved["config"]["sweep"]["schedules"] == ["zb1p"]
@@ -117,8 +126,8 @@ def test_set_overrides_land_in_the_resolved_config(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("override, match", [
-    ("workload.batchsize=2", r"\[workload\] has unknown keys \['batchsize'\]"),
-    ('workload.batch="two"', r"\[workload\] batch must be int"),
+    ("workload.batchsize=2", r"workload\.batchsize: unknown key"),
+    ('workload.batch="two"', r"workload\.batch: expected int, got str"),
     ("workload", "expected key=value"),
 ])
 def test_bad_overrides_name_the_key(tmp_path, override, match):

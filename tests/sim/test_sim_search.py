@@ -1,12 +1,10 @@
-"""Searches, the dynamic P:D controller, bucket routing and the experiment runners."""
-
-import os
+"""Searches, the dynamic P:D controller and bucket routing (the experiment runners built on them:
+tests/experiments/test_serving.py)."""
 
 import pytest
 
 import pdjax
 from pdjax import sim
-from pdjax.sim.experiments import RUNNERS
 
 
 @pytest.fixture(scope="module")
@@ -94,45 +92,3 @@ def test_time_budget_steps_fit_the_budget(cost):
     assert p.steps > 1
     assert p.busy_time <= p.steps * budget + 1e-12          # every step fits the budget
     assert p.busy_time >= cost.prefill_step_time([(60_000, 0)]) - 1e-9  # chunking costs, never saves
-
-
-SMALL = {
-    "model": {"preset": "deepseek_v3"},
-    "hardware": {"name": "h800", "dtype": "bf16", "ep_size": 32},
-    "workload": {"num_requests": 150, "rate": 20.0, "seed": 0, "input": 2048, "output": 32},
-    "slo": {"ttft": 2.0, "tpot": 0.05, "target": 0.9},
-    "search": {"lo": 5.0, "hi": 10.0},
-}
-
-
-@pytest.mark.parametrize("kind,extra", [
-    ("colocated_vs_pd", {"deployment": {"instances": 2, "prefill": 1}, "sweep": {"rates": [10, 20]}}),
-    ("pd_ratio_sweep", {"sweep": {"instances": 3, "prefill": [1, 2]}}),
-    ("afd_ratio_sweep", {"sweep": {"pairs": [[2, 1]], "prefill": 2, "microbatches": 2}}),
-    ("link_bandwidth", {"sweep": {"instances": 2, "prefill": 1, "link_gbps_per_gpu": [1, 50]}}),
-    ("prefix_cache_capacity", {"sweep": {"instances": 2, "prefill": 1, "capacity_tokens": [0, 100_000]},
-                               "workload": {"num_requests": 150, "rate": 20.0, "input": 512, "output": 16,
-                                            "system_prompts": 2, "system_prompt_len": 1024}}),
-])
-def test_experiment_runners_write_their_outputs(tmp_path, kind, extra):
-    cfg = {"kind": kind, "name": kind, **SMALL, **extra}
-    out = tmp_path / kind
-    out.mkdir()
-    summary = RUNNERS[kind](cfg, str(out))
-    assert isinstance(summary["headline"], str) and summary["headline"]
-    names = set(os.listdir(out))
-    assert {"report.md", f"{kind}.csv", f"{kind}.png"} <= names
-
-
-def test_experiment_tomls_parse():
-    import tomllib
-    root = os.path.join(os.path.dirname(__file__), "..", "..", "experiments")
-    found = 0
-    for fn in os.listdir(root):
-        if fn.startswith("sim_") and fn.endswith(".toml"):
-            with open(os.path.join(root, fn), "rb") as f:
-                cfg = tomllib.load(f)
-            assert cfg["kind"] in RUNNERS and cfg["name"]
-            sim.workload.workload_from_dict(cfg["workload"])
-            found += 1
-    assert found == 5
