@@ -16,6 +16,32 @@ from typing import Any, Mapping, Optional
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
+# Precision: the dtypes params, activations and the latent cache may take (canonical names,
+# as numpy/ml_dtypes spell them), and the short names accepted for them.
+PARAM_DTYPES = ("float32", "bfloat16", "float16")
+COMPUTE_DTYPES = PARAM_DTYPES
+CACHE_DTYPES = PARAM_DTYPES + ("float8_e4m3fn", "float8_e5m2")
+DTYPE_ALIASES = {"f32": "float32", "fp32": "float32", "bf16": "bfloat16", "f16": "float16",
+                 "fp16": "float16", "half": "float16", "fp8": "float8_e4m3fn",
+                 "float8_e4m3": "float8_e4m3fn", "e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
+
+
+def dtype_name(value, what: str, allowed=CACHE_DTYPES) -> str:
+    """The canonical name of a dtype given as a string ("bf16", "bfloat16"), a numpy dtype or
+    a jax/numpy scalar type (``jnp.bfloat16``). Raises ValueError naming ``what`` (the field
+    or argument) when it is not one of ``allowed``."""
+    name = value
+    if not isinstance(value, str):
+        try:
+            import numpy as np
+            name = np.dtype(value).name
+        except TypeError:
+            name = None
+    name = DTYPE_ALIASES.get(name, name) if isinstance(name, str) else name
+    if name not in allowed:
+        raise ValueError(f"{what} must be one of {allowed} (or {sorted(DTYPE_ALIASES)}), got {value!r}")
+    return name
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
@@ -40,6 +66,22 @@ class ModelConfig:
     Dimensions: ``hidden_size`` D, ``num_attention_heads`` H, ``kv_lora_rank`` C (MLA latent),
     ``qk_rope_head_dim`` R (decoupled RoPE key shared by all heads), ``qk_nope_head_dim``,
     ``v_head_dim``; ``q_lora_rank`` None means a plain q projection (V2-Lite).
+
+    Precision (pdjax fields, not HF ones; written to and read from ``config.json`` by
+    :meth:`to_hf_dict` / :func:`from_hf_dict`). Each is a dtype name; short names ("bf16",
+    "fp8") and numpy/jax dtypes are accepted and normalised:
+
+    * ``param_dtype``: what :func:`pdjax.init_params` makes params in (float32, bfloat16,
+      float16). :func:`pdjax.load_hf` sets it to the dtype it loaded.
+    * ``compute_dtype``: the activations (the residual stream) and the matmul inputs; weights
+      are cast to it where they are used, so bf16 params with float32 compute is the usual
+      "bf16 weights, f32 math" setting. Softmax, RMSNorm, RoPE, the router scores, the
+      expert combine and the logits run in float32 whatever it is.
+    * ``cache_dtype``: the latent KV cache (also float8_e4m3fn / float8_e5m2, stored without
+      a scale, saturating at the format's largest finite value); None follows
+      ``compute_dtype``. Read with :attr:`kv_cache_dtype`.
+
+    The defaults (float32 everywhere) are pdjax's reference numerics.
     """
 
     vocab_size: int = 256
@@ -70,11 +112,25 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     model_type: str = "deepseek_v3"
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    cache_dtype: Optional[str] = None
 
     def __post_init__(self):
         if isinstance(self.rope_scaling, Mapping):
             object.__setattr__(self, "rope_scaling", _rope_scaling_from_dict(dict(self.rope_scaling)))
+        for field, allowed in (("param_dtype", PARAM_DTYPES), ("compute_dtype", COMPUTE_DTYPES),
+                               ("cache_dtype", CACHE_DTYPES)):
+            value = getattr(self, field)
+            if value is not None or field != "cache_dtype":
+                object.__setattr__(self, field, dtype_name(value, f"ModelConfig.{field}", allowed))
         validate(self)
+
+    # ---- precision -----------------------------------------------------------------------
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The latent cache's dtype: ``cache_dtype``, or ``compute_dtype`` when that is None."""
+        return self.compute_dtype if self.cache_dtype is None else self.cache_dtype
 
     # ---- derived sizes -------------------------------------------------------------
     @property

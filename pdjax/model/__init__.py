@@ -1,11 +1,12 @@
 """Pure-functional DeepSeek-V2/V3 model code (MLA, MoE, latent KV cache, HF loading).
 
-Modules (imported on first use): ``mla``, ``moe``, ``transformer``, ``cache``, ``paged``, ``hf``.
+Modules (imported on first use): ``mla``, ``moe``, ``transformer``, ``cache``, ``paged``, ``hf``,
+``initializers``.
 """
 
 import importlib
 
-MODULES = ("cache", "hf", "mla", "moe", "paged", "transformer")
+MODULES = ("cache", "hf", "initializers", "mla", "moe", "paged", "transformer")
 
 
 def __getattr__(name):

@@ -5,6 +5,10 @@ Per token and layer MLA caches ``kv_lora_rank + qk_rope_head_dim`` values:
 (separate buffers: each layer is read in place, written in place under donation, and can be
 handed off on its own), and ``lengths [B]`` counts the valid tokens of each row (rows may differ: continuous
 batching and ragged prompts). Positions >= lengths[b] hold garbage and are masked.
+
+The cache's dtype is ``cfg.kv_cache_dtype`` (``cache_dtype``, else the compute dtype): rows
+are rounded to it when written (float8 saturates at its largest finite value, no scale) and
+attention reads them back in the compute dtype.
 """
 
 from __future__ import annotations
@@ -14,12 +18,16 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pdjax.config import ModelConfig
+from pdjax.config import ModelConfig, dtype_name
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
+    """The contiguous latent cache of a batch: per layer ``[B, S_max, C+R]`` rows (the
+    compressed latent ``c_KV`` of width ``kv_lora_rank`` = C and the shared RoPE key of width
+    ``qk_rope_head_dim`` = R, in ``cfg.kv_cache_dtype``) and each sequence's length."""
+
     kv: tuple            # per layer: [B, S_max, C+R]
     lengths: jax.Array   # [B] int32
 
@@ -51,7 +59,10 @@ class KVCache:
         return jnp.stack(self.kv)
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+    """An empty cache of ``batch`` rows and ``max_len`` positions; ``dtype`` default
+    ``cfg.kv_cache_dtype``."""
+    dtype = cfg.kv_cache_dtype if dtype is None else dtype_name(dtype, "init_cache dtype")
     if batch <= 0:
         raise ValueError(f"cache batch must be positive, got {batch}")
     if max_len <= 0:
@@ -64,10 +75,20 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) ->
     return KVCache(kv=kv, lengths=jnp.zeros((batch,), jnp.int32))
 
 
+def to_cache_dtype(x, dtype):
+    """``x`` rounded to the cache dtype; float8 formats saturate (clip to their largest finite
+    value) rather than overflow to NaN."""
+    dtype = jnp.dtype(dtype)
+    if dtype.itemsize == 1:
+        big = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x, -big, big)
+    return x.astype(dtype)
+
+
 def write_rows(kv_BSL, new_BTL, start_B):
     """Write new_BTL into kv_BSL at per-row offsets start_B (one scatter, in place under
     donation). Callers check start + T <= S on the host first."""
     B, T = new_BTL.shape[:2]
     rows = jnp.arange(B)[:, None]
     cols = start_B[:, None] + jnp.arange(T)[None, :]
-    return kv_BSL.at[rows, cols].set(new_BTL.astype(kv_BSL.dtype), unique_indices=True)
+    return kv_BSL.at[rows, cols].set(to_cache_dtype(new_BTL, kv_BSL.dtype), unique_indices=True)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pdjax.config import ModelConfig, load_hf_config
+from pdjax.config import PARAM_DTYPES, ModelConfig, dtype_name, load_hf_config
 
 FP8_BLOCK = 128
 
@@ -73,50 +73,88 @@ def _mlp_names(t, prefix, D, F):
     t[prefix + "down_proj.weight"] = (D, F)
 
 
-def _mlp_from_hf(get, prefix):
-    return {"w_gate": get(prefix + "gate_proj.weight").T, "w_up": get(prefix + "up_proj.weight").T,
-            "w_down": get(prefix + "down_proj.weight").T}
+class Deferred:
+    """A param not read yet: ``read(index)`` returns the part at ``index`` (a tuple of slices,
+    as ``jax.make_array_from_callback`` passes) as a numpy array; ``read()`` all of it."""
+
+    def __init__(self, make):
+        self.make = make
+
+    def read(self, index=()):
+        return np.asarray(self.make())[tuple(index)]
 
 
-def params_from_tensors(cfg: ModelConfig, get) -> dict:
-    """Assemble params from a getter ``get(hf_name) -> np.ndarray`` (HF layout)."""
-    D, H = cfg.hidden_size, cfg.num_attention_heads
+class DeferredStack(Deferred):
+    """Per-expert params stacked on axis 0, read expert by expert: a part whose first slice
+    covers some experts reads only theirs."""
+
+    def __init__(self, parts):
+        self.parts = parts
+
+    def read(self, index=()):
+        index = tuple(index)
+        first, rest = (index[0], index[1:]) if index else (slice(None), ())
+        return np.stack([self.parts[e].read(rest) for e in range(len(self.parts))[first]])
+
+
+def _mlp_from_hf(get, prefix, leaf):
+    return {"w_gate": leaf(lambda: get(prefix + "gate_proj.weight").T),
+            "w_up": leaf(lambda: get(prefix + "up_proj.weight").T),
+            "w_down": leaf(lambda: get(prefix + "down_proj.weight").T)}
+
+
+def _layer_from_hf(cfg: ModelConfig, get, i: int, leaf, stack) -> dict:
+    D, H, C = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank
     K, R, Vh = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-    layers = []
-    for i in range(cfg.num_hidden_layers):
-        a = f"model.layers.{i}."
-        s = a + "self_attn."
-        attn = {}
-        if cfg.q_lora_rank is None:
-            attn["wq"] = get(s + "q_proj.weight").T.reshape(D, H, K + R)
-        else:
-            attn["wq_a"] = get(s + "q_a_proj.weight").T
-            attn["q_norm"] = get(s + "q_a_layernorm.weight")
-            attn["wq_b"] = get(s + "q_b_proj.weight").T.reshape(cfg.q_lora_rank, H, K + R)
-        attn["wkv_a"] = get(s + "kv_a_proj_with_mqa.weight").T
-        attn["kv_norm"] = get(s + "kv_a_layernorm.weight")
-        kv_b = get(s + "kv_b_proj.weight").reshape(H, K + Vh, cfg.kv_lora_rank)
-        attn["wk_b"] = kv_b[:, :K].transpose(2, 0, 1)
-        attn["wv_b"] = kv_b[:, K:].transpose(2, 0, 1)
-        attn["wo"] = get(s + "o_proj.weight").T.reshape(H, Vh, D)
-        layer = {"attn_norm": get(a + "input_layernorm.weight"), "attn": attn,
-                 "ffn_norm": get(a + "post_attention_layernorm.weight")}
-        m = a + "mlp."
-        if cfg.is_moe_layer(i):
-            experts = [_mlp_from_hf(get, f"{m}experts.{e}.") for e in range(cfg.n_routed_experts)]
-            moe = {k: np.stack([x[k] for x in experts]) for k in ("w_gate", "w_up", "w_down")}
-            moe["router"] = get(m + "gate.weight").T
-            if cfg.topk_method == "noaux_tc":
-                moe["router_bias"] = get(m + "gate.e_score_correction_bias").astype(np.float32)
-            if cfg.n_shared_experts:
-                moe["shared"] = _mlp_from_hf(get, m + "shared_experts.")
-            layer["moe"] = moe
-        else:
-            layer["mlp"] = _mlp_from_hf(get, m)
-        layers.append(layer)
-    embed = get("model.embed_tokens.weight")
-    head = embed if cfg.tie_word_embeddings else get("lm_head.weight")
-    return {"embed": embed, "layers": layers, "final_norm": get("model.norm.weight"), "lm_head": head.T}
+    a = f"model.layers.{i}."
+    s = a + "self_attn."
+    m = a + "mlp."
+    attn = {}
+    if cfg.q_lora_rank is None:
+        attn["wq"] = leaf(lambda: get(s + "q_proj.weight").T.reshape(D, H, K + R))
+    else:
+        attn["wq_a"] = leaf(lambda: get(s + "q_a_proj.weight").T)
+        attn["q_norm"] = leaf(lambda: get(s + "q_a_layernorm.weight"))
+        attn["wq_b"] = leaf(lambda: get(s + "q_b_proj.weight").T.reshape(cfg.q_lora_rank, H, K + R))
+    attn["wkv_a"] = leaf(lambda: get(s + "kv_a_proj_with_mqa.weight").T)
+    attn["kv_norm"] = leaf(lambda: get(s + "kv_a_layernorm.weight"))
+
+    def kv_b():                                   # [H, K+V, C]
+        return get(s + "kv_b_proj.weight").reshape(H, K + Vh, C)
+
+    attn["wk_b"] = leaf(lambda: kv_b()[:, :K].transpose(2, 0, 1))
+    attn["wv_b"] = leaf(lambda: kv_b()[:, K:].transpose(2, 0, 1))
+    attn["wo"] = leaf(lambda: get(s + "o_proj.weight").T.reshape(H, Vh, D))
+    layer = {"attn_norm": leaf(lambda: get(a + "input_layernorm.weight")), "attn": attn,
+             "ffn_norm": leaf(lambda: get(a + "post_attention_layernorm.weight"))}
+    if cfg.is_moe_layer(i):
+        experts = [_mlp_from_hf(get, f"{m}experts.{e}.", leaf) for e in range(cfg.n_routed_experts)]
+        moe = {k: stack([x[k] for x in experts]) for k in ("w_gate", "w_up", "w_down")}
+        moe["router"] = leaf(lambda: get(m + "gate.weight").T)
+        if cfg.topk_method == "noaux_tc":
+            moe["router_bias"] = leaf(lambda: get(m + "gate.e_score_correction_bias").astype(np.float32))
+        if cfg.n_shared_experts:
+            moe["shared"] = _mlp_from_hf(get, m + "shared_experts.", leaf)
+        layer["moe"] = moe
+    else:
+        layer["mlp"] = _mlp_from_hf(get, m, leaf)
+    return layer
+
+
+def params_from_tensors(cfg: ModelConfig, get, lazy: bool = False) -> dict:
+    """Assemble params from a getter ``get(hf_name) -> np.ndarray`` (HF layout).
+
+    ``lazy``: every leaf is a :class:`Deferred` (routed experts a :class:`DeferredStack`)
+    that calls ``get`` only when read, so a loader can read each leaf, or each device's part
+    of it, on its own."""
+    if lazy:
+        leaf, stack = Deferred, DeferredStack
+    else:
+        leaf, stack = (lambda make: make()), np.stack
+    layers = [_layer_from_hf(cfg, get, i, leaf, stack) for i in range(cfg.num_hidden_layers)]
+    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    return {"embed": leaf(lambda: get("model.embed_tokens.weight")), "layers": layers,
+            "final_norm": leaf(lambda: get("model.norm.weight")), "lm_head": leaf(lambda: get(head).T)}
 
 
 def params_to_tensors(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
@@ -250,12 +288,23 @@ def _dequant_fp8(w, scale_inv):
     return w * s[: w.shape[0], : w.shape[1]]
 
 
-def load_hf(path: str, dtype=jnp.float32):
+def load_hf(path: str, dtype=None, *, mesh=None, rules=None):
     """Load a HF DeepSeek-V2/V3 checkpoint directory. Returns (cfg, params).
 
+    ``dtype``: the params' dtype (float32, bfloat16 or float16); default the checkpoint's own,
+    the dtype of its embedding (block-FP8 weights are dequantised to it). The returned
+    ``cfg.param_dtype`` is the dtype loaded; ``router_bias`` is float32 whatever it is.
+    ``mesh`` (a jax.sharding.Mesh, with optional :class:`pdjax.parallel.ShardingRules`):
+    the params are placed as :func:`pdjax.parallel.shard_params` would place them, straight
+    from the files: a sharded tensor is made with ``jax.make_array_from_callback`` and each
+    device reads only its part (e.g. only its experts), a replicated one is read once. Without
+    a mesh they go to the default device. Host memory holds one tensor (or one device's part)
+    at a time beyond the memory-mapped files.
+
     Raises ValueError naming the tensor for any missing or unexpected tensor or shape
-    mismatch, and naming the file for a truncated or corrupt safetensors file.
-    Multi-token-prediction layers (index >= num_hidden_layers) are skipped with a warning.
+    mismatch, and naming the file for a truncated or corrupt safetensors file, before any
+    tensor is read. Multi-token-prediction layers (index >= num_hidden_layers) are skipped
+    with a warning.
     """
     cfg = load_hf_config(path)
     readers = {f: SafetensorsFile(f) for f in _shard_files(path)}
@@ -281,24 +330,50 @@ def load_hf(path: str, dtype=jnp.float32):
     missing = [n for n in expected if n not in where]
     if missing:
         raise ValueError(f"missing tensor {missing[0]} in checkpoint {path} ({len(missing)} missing in all)")
+    for name, shape in expected.items():
+        stored = tuple(readers[where[name]].header[name]["shape"])
+        if stored != shape:
+            raise ValueError(f"tensor {name} has shape {stored}, expected {shape}")
+    if dtype is None:
+        stored = readers[where["model.embed_tokens.weight"]].header["model.embed_tokens.weight"]["np_dtype"]
+        if stored.name not in PARAM_DTYPES:
+            raise ValueError(f"checkpoint {path} stores its embedding as {stored.name}; pass load_hf(..., "
+                             f"dtype=) one of {PARAM_DTYPES}")
+        dtype = stored
+    cfg = cfg.replace(param_dtype=dtype_name(dtype, "load_hf dtype", PARAM_DTYPES))
     if mtp:
         layers = sorted({int(n.split('.')[2]) for n in mtp})
         warnings.warn(f"skipping multi-token-prediction layers {layers} ({len(mtp)} tensors)")
+
     def get(name):
         w = readers[where[name]].get(name)
         scale = name + "_scale_inv"
         if scale in where:
             w = _dequant_fp8(w, readers[where[scale]].get(scale))
-        if tuple(w.shape) != expected[name]:
-            raise ValueError(f"tensor {name} has shape {tuple(w.shape)}, expected {expected[name]}")
-        return np.asarray(w, np.float32)
+        return w
 
-    params = params_from_tensors(cfg, get)
-    params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
-    for lp in params["layers"]:  # the correction bias stays float32, as in HF
-        if "moe" in lp and "router_bias" in lp["moe"]:
-            lp["moe"]["router_bias"] = lp["moe"]["router_bias"].astype(jnp.float32)
-    return cfg, params
+    from pdjax.model.transformer import init_params
+
+    lazy = params_from_tensors(cfg, get, lazy=True)
+    # shapes and dtypes (router_bias float32) of the params, from the model's own definition
+    shapes = jax.eval_shape(lambda key: init_params(cfg, key), jax.random.key(0))
+
+    def host(x, like):               # an owned array in the param's dtype, never a view of a file
+        x = np.asarray(x)
+        if x.dtype != like.dtype:
+            return x.astype(like.dtype)
+        return x if x.flags.owndata else x.copy()
+
+    if mesh is None:
+        return cfg, jax.tree.map(lambda d, like: jnp.asarray(host(d.read(), like)), lazy, shapes)
+    from pdjax.parallel.mesh import param_shardings
+
+    def place(d, like, sharding):
+        if sharding.is_fully_replicated:
+            return jax.device_put(host(d.read(), like), sharding)
+        return jax.make_array_from_callback(like.shape, sharding, lambda index: host(d.read(index), like))
+
+    return cfg, jax.tree.map(place, lazy, shapes, param_shardings(shapes, cfg, mesh, rules))
 
 
 def save_hf(path: str, params, cfg: ModelConfig, max_shard_bytes: int | None = None) -> None:

@@ -12,6 +12,10 @@ Two equivalent attention paths read it:
   * ``absorbed``: fold W_UK into the query (q_nope W_UK^T is a C-vector per head) and W_UV
     into the output, and attend directly over the cached [latent | rope key] rows with a
     single (C + R)-wide dot product (decode).
+
+Precision: inputs arrive in the compute dtype and every weight is cast to the input's dtype
+where it is used; RMSNorm, RoPE, the scores (accumulated in float32) and the softmax run in
+float32, the probabilities are cast back before they weight the values.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pdjax.config import ModelConfig, yarn_mscale
+from pdjax.model.initializers import scaled_normal
 
 
 # q_a_layernorm and kv_a_layernorm are built with the default eps in DeepSeek's reference and
@@ -31,10 +36,11 @@ LATENT_NORM_EPS = 1e-6
 
 
 def rms_norm(x, weight, eps):
-    """RMSNorm in float32, cast back to x.dtype before the scale (as HF does)."""
+    """RMSNorm in float32, cast back to x.dtype before the scale (as HF does); the result is
+    in x.dtype (the weight is cast to it)."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return weight * xf.astype(x.dtype)
+    return weight.astype(x.dtype) * xf.astype(x.dtype)
 
 
 # ---- RoPE / YaRN ------------------------------------------------------------------------
@@ -102,17 +108,17 @@ def apply_rope(x, cos, sin):
 def project_q(p, cfg: ModelConfig, x_BTD, cos, sin):
     """Queries [B,T,H,K] (no-position part) and [B,T,H,R] (rotated)."""
     if cfg.q_lora_rank is None:
-        q_BTHK = jnp.einsum("BTD,DHK->BTHK", x_BTD, p["wq"])
+        q_BTHK = jnp.einsum("BTD,DHK->BTHK", x_BTD, p["wq"].astype(x_BTD.dtype))
     else:
-        q_BTQ = rms_norm(x_BTD @ p["wq_a"], p["q_norm"], LATENT_NORM_EPS)
-        q_BTHK = jnp.einsum("BTQ,QHK->BTHK", q_BTQ, p["wq_b"])
+        q_BTQ = rms_norm(x_BTD @ p["wq_a"].astype(x_BTD.dtype), p["q_norm"], LATENT_NORM_EPS)
+        q_BTHK = jnp.einsum("BTQ,QHK->BTHK", q_BTQ, p["wq_b"].astype(x_BTD.dtype))
     q_nope, q_pe = jnp.split(q_BTHK, [cfg.qk_nope_head_dim], axis=-1)
     return q_nope, apply_rope(q_pe, cos, sin)
 
 
 def project_kv_latent(p, cfg: ModelConfig, x_BTD, cos, sin):
     """The cache entry of each new token: [RMSNorm(latent) | RoPE(k_pe)], shape [B,T,C+R]."""
-    kv_BTL = x_BTD @ p["wkv_a"]
+    kv_BTL = x_BTD @ p["wkv_a"].astype(x_BTD.dtype)
     c_BTC, k_pe_BTR = jnp.split(kv_BTL, [cfg.kv_lora_rank], axis=-1)
     c_BTC = rms_norm(c_BTC, p["kv_norm"], LATENT_NORM_EPS)
     return jnp.concatenate([c_BTC, apply_rope(k_pe_BTR, cos, sin)], axis=-1)
@@ -134,8 +140,8 @@ def attend_naive(p, cfg: ModelConfig, q_nope, q_pe, kv_BSL, mask_BTS, causal_blo
     block i attends to keys [0, (i+1)T/n) only, skipping the fully masked upper blocks
     ((n-1)/2n of the score and softmax work); the result is the same."""
     c_BSC, k_pe_BSR = jnp.split(kv_BSL, [cfg.kv_lora_rank], axis=-1)
-    k_nope_BHSK = jnp.einsum("BSC,CHK->BHSK", c_BSC, p["wk_b"])
-    v_BHSV = jnp.einsum("BSC,CHV->BHSV", c_BSC, p["wv_b"])
+    k_nope_BHSK = jnp.einsum("BSC,CHK->BHSK", c_BSC, p["wk_b"].astype(c_BSC.dtype))
+    v_BHSV = jnp.einsum("BSC,CHV->BHSV", c_BSC, p["wv_b"].astype(c_BSC.dtype))
     k_pe_BHSR = jnp.broadcast_to(k_pe_BSR[:, None].astype(k_nope_BHSK.dtype),
                                  k_nope_BHSK.shape[:3] + k_pe_BSR.shape[-1:])
     k_BHSK = jnp.concatenate([k_nope_BHSK, k_pe_BHSR], axis=-1)
@@ -146,7 +152,8 @@ def attend_naive(p, cfg: ModelConfig, q_nope, q_pe, kv_BSL, mask_BTS, causal_blo
     outs = []
     for i in range(n):
         S_i = k_BHSK.shape[2] if n == 1 else (i + 1) * bt
-        scores = jnp.einsum("BHTK,BHSK->BHTS", q_BHTK[:, :, i * bt:(i + 1) * bt], k_BHSK[:, :, :S_i])
+        scores = jnp.einsum("BHTK,BHSK->BHTS", q_BHTK[:, :, i * bt:(i + 1) * bt], k_BHSK[:, :, :S_i],
+                            preferred_element_type=jnp.float32)
         probs = _masked_softmax(scores * cfg.softmax_scale, mask_BTS[:, i * bt:(i + 1) * bt, :S_i])
         outs.append(jnp.einsum("BHTS,BHSV->BHTV", probs.astype(v_BHSV.dtype), v_BHSV[:, :, :S_i]))
     return jnp.concatenate(outs, axis=2).transpose(0, 2, 1, 3)
@@ -158,18 +165,18 @@ def attend_absorbed(p, cfg: ModelConfig, q_nope, q_pe, kv_BSL, mask_BTS):
     One (C+R)-wide dot per (query, cached token, head); the cache is never expanded.
     Returns [B,T,H,V].
     """
-    q_lat_BTHC = jnp.einsum("BTHK,CHK->BTHC", q_nope, p["wk_b"])
+    q_lat_BTHC = jnp.einsum("BTHK,CHK->BTHC", q_nope, p["wk_b"].astype(q_nope.dtype))
     q_BTHL = jnp.concatenate([q_lat_BTHC, q_pe.astype(q_lat_BTHC.dtype)], axis=-1)
-    scores = jnp.einsum("BTHL,BSL->BHTS", q_BTHL, kv_BSL) * cfg.softmax_scale
+    scores = jnp.einsum("BTHL,BSL->BHTS", q_BTHL, kv_BSL, preferred_element_type=jnp.float32) * cfg.softmax_scale
     probs = _masked_softmax(scores, mask_BTS).astype(kv_BSL.dtype)
     # Attend over the full cached rows and drop the rope columns of the small result: slicing
     # the latent out of the cache first would copy the cache.
     o_BTHL = jnp.einsum("BHTS,BSL->BTHL", probs, kv_BSL)
-    return jnp.einsum("BTHC,CHV->BTHV", o_BTHL[..., : cfg.kv_lora_rank], p["wv_b"])
+    return jnp.einsum("BTHC,CHV->BTHV", o_BTHL[..., : cfg.kv_lora_rank], p["wv_b"].astype(o_BTHL.dtype))
 
 
 def output_proj(p, o_BTHV):
-    return jnp.einsum("BTHV,HVD->BTD", o_BTHV, p["wo"])
+    return jnp.einsum("BTHV,HVD->BTD", o_BTHV, p["wo"].astype(o_BTHV.dtype))
 
 
 def causal_mask(q_pos_BT, kv_len_S):
@@ -183,7 +190,7 @@ def init_attention(cfg: ModelConfig, key, dtype):
     ks = jax.random.split(key, 6)
 
     def dense(k, shape, fan_in):
-        return (jax.random.normal(k, shape, jnp.float32) * fan_in ** -0.5).astype(dtype)
+        return scaled_normal(k, shape, fan_in ** -0.5, dtype)
 
     p = {}
     if cfg.q_lora_rank is None:

@@ -15,6 +15,10 @@ experts over the sorted rows:
   * ``"ragged"``: ``jax.lax.ragged_dot`` grouped GEMM (GPU/TPU; XLA:CPU lowers it to a dense
     dot over every expert, so it is not used there by default).
 Nothing is ever dropped.
+
+Precision: the router logits and scores are float32 (tokens and router weight upcast), the
+experts run in the tokens' dtype (the compute dtype; weights are cast to it) and their outputs
+are summed by the routing weights in float32, then cast back.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from pdjax.config import ModelConfig
+from pdjax.model.initializers import scaled_normal
 
 _STATS: list[list] = []
 
@@ -103,6 +108,8 @@ def mask_routing(weights_Nk, idx_Nk, valid_N, num_experts: int):
 
 
 def swiglu(x, w_gate, w_up, w_down):
+    """SwiGLU MLP in x.dtype (the weights are cast to it)."""
+    w_gate, w_up, w_down = (w.astype(x.dtype) for w in (w_gate, w_up, w_down))
     return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
 
 
@@ -207,7 +214,8 @@ def routed_experts(p, x_ND, weights_Nk, idx_Nk, impl: str | None = None):
     fn = {"tiled": _experts_tiled, "bucketed": _experts_bucketed, "ragged": _experts_ragged}.get(impl)
     if fn is None:
         raise ValueError(f"unknown MoE impl {impl!r}; use 'bucketed', 'tiled' or 'ragged'")
-    y_sorted = fn(x_AD, sorted_e, counts, p["w_gate"], p["w_up"], p["w_down"])
+    w_experts = (p[name].astype(x_ND.dtype) for name in ("w_gate", "w_up", "w_down"))   # compute dtype
+    y_sorted = fn(x_AD, sorted_e, counts, *w_experts)
     y_AD = jnp.zeros_like(y_sorted).at[order].set(y_sorted, unique_indices=True)
     y_NkD = y_AD.reshape(N, k, D).astype(jnp.float32)
     return jnp.einsum("NkD,Nk->ND", y_NkD, weights_Nk).astype(x_ND.dtype)
@@ -224,6 +232,7 @@ def experts_for_rows(p, rows_RD, ids_R, expected_rows: int, impl: str | None = N
     routing. Other back ends run over all R rows, the empty ones weighted 0 and spread."""
     E = p["w_gate"].shape[0]
     impl = impl or default_impl()
+    p = {k: p[k].astype(rows_RD.dtype) for k in ("w_gate", "w_up", "w_down")}
     real = ids_R >= 0
     weights, idx = mask_routing(jnp.ones((rows_RD.shape[0], 1), jnp.float32), ids_R[:, None], real, E)
 
@@ -277,7 +286,7 @@ def init_mlp(key, D, F, dtype, leading=()):
     k1, k2, k3 = jax.random.split(key, 3)
 
     def dense(k, shape, fan_in):
-        return (jax.random.normal(k, leading + shape, jnp.float32) * fan_in ** -0.5).astype(dtype)
+        return scaled_normal(k, leading + shape, fan_in ** -0.5, dtype)
 
     return {"w_gate": dense(k1, (D, F), D), "w_up": dense(k2, (D, F), D), "w_down": dense(k3, (F, D), F)}
 
@@ -286,7 +295,7 @@ def init_moe(cfg: ModelConfig, key, dtype):
     D, E, F = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
     k_router, k_experts, k_shared = jax.random.split(key, 3)
     p = init_mlp(k_experts, D, F, dtype, leading=(E,))
-    p["router"] = (jax.random.normal(k_router, (D, E), jnp.float32) * D ** -0.5).astype(dtype)
+    p["router"] = scaled_normal(k_router, (D, E), D ** -0.5, dtype)
     if cfg.topk_method == "noaux_tc":
         p["router_bias"] = jnp.zeros((E,), jnp.float32)
     if cfg.n_shared_experts:

@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from pdjax.config import ModelConfig
+from pdjax.config import ModelConfig, dtype_name
+from pdjax.model.cache import to_cache_dtype
 
 
 @jax.tree_util.register_dataclass
@@ -62,7 +63,7 @@ def _write(pool, tables, new_BTL, start_B):
     bs = pool.shape[1]
     pos = start_B[:, None] + jnp.arange(new_BTL.shape[1])[None, :]             # [b, T]
     blocks = jnp.take_along_axis(tables, pos // bs, axis=1, mode="clip")       # [b, T]
-    return pool.at[blocks, pos % bs].set(new_BTL.astype(pool.dtype))
+    return pool.at[blocks, pos % bs].set(to_cache_dtype(new_BTL, pool.dtype))
 
 
 def _view(pool, tables):
@@ -109,11 +110,13 @@ class PagedCache:
 
 
 def init_paged_cache(cfg: ModelConfig, *, slots: int, num_blocks: int, block_size: int,
-                     blocks_per_slot: int, dtype=jnp.float32, mesh: Mesh | None = None,
+                     blocks_per_slot: int, dtype=None, mesh: Mesh | None = None,
                      axes: tuple = ()) -> PagedCache:
     """An empty paged cache: ``num_blocks`` blocks per rank (block 0 is scratch), ``slots``
     decode slots each addressing up to ``blocks_per_slot`` blocks. With a mesh, the pools and
-    slots are split over ``axes`` (the DP attention ranks)."""
+    slots are split over ``axes`` (the DP attention ranks). ``dtype``: default
+    ``cfg.kv_cache_dtype``."""
+    dtype = cfg.kv_cache_dtype if dtype is None else dtype_name(dtype, "init_paged_cache dtype")
     for name, v in (("slots", slots), ("num_blocks", num_blocks), ("block_size", block_size),
                     ("blocks_per_slot", blocks_per_slot)):
         if not isinstance(v, int) or v <= 0:

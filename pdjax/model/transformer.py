@@ -8,6 +8,15 @@ Params are a plain dict pytree::
                 | "moe": {router [D,E], (router_bias [E]), w_gate [E,D,F], w_up [E,D,F],
                           w_down [E,F,D], (shared: {w_gate, w_up, w_down})}}, ...]}
 
+Precision (``ModelConfig.param_dtype / compute_dtype / cache_dtype``): params are stored in
+their own dtype (``router_bias`` always float32); the embedding output is cast to the
+compute dtype, every layer runs its activations (the residual stream) in it, and each weight
+is cast to it where it is used. Float32 inside, whatever the compute dtype: RMSNorm, RoPE,
+the attention scores (``preferred_element_type``) and softmax, the router logits and scores,
+the weighted sum of the experts' outputs, and the logits (accumulated and returned in
+float32). New latents are rounded to the cache dtype when written and read back in the
+compute dtype.
+
 Every public function validates its inputs on the host and raises ValueError before any
 compute; the jitted cores below take the config as a static argument.
 """
@@ -20,18 +29,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pdjax.config import ModelConfig
+from pdjax.config import PARAM_DTYPES, ModelConfig, dtype_name
 from pdjax.model import mla
 from pdjax.model import moe as moe_lib
-from pdjax.model.cache import KVCache, write_rows
+from pdjax.model.cache import KVCache, to_cache_dtype, write_rows
+from pdjax.model.initializers import scaled_normal
 
 
 # ---- params -----------------------------------------------------------------------------
 
-def init_params(cfg: ModelConfig, key, dtype=jnp.float32) -> dict:
-    """Random params (normal, std 1/sqrt(fan_in); norms 1; router bias 0)."""
-    if not isinstance(cfg, ModelConfig):
-        raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+def _init(cfg: ModelConfig, key, dtype) -> dict:
     D, V = cfg.hidden_size, cfg.vocab_size
     k_embed, k_head, k_layers = jax.random.split(key, 3)
     layers = []
@@ -48,8 +55,28 @@ def init_params(cfg: ModelConfig, key, dtype=jnp.float32) -> dict:
         "embed": jax.random.normal(k_embed, (V, D), jnp.float32).astype(dtype),
         "layers": layers,
         "final_norm": jnp.ones((D,), dtype),
-        "lm_head": (jax.random.normal(k_head, (D, V), jnp.float32) * D ** -0.5).astype(dtype),
+        "lm_head": scaled_normal(k_head, (D, V), D ** -0.5, dtype),
     }
+
+
+def init_params(cfg: ModelConfig, key, dtype=None, *, mesh=None, rules=None) -> dict:
+    """Random params (normal, std 1/sqrt(fan_in); norms 1; router bias 0, float32).
+
+    ``dtype``: default ``cfg.param_dtype``. ``mesh`` (a jax.sharding.Mesh, with optional
+    :class:`pdjax.parallel.ShardingRules`): the params are made directly in the placement
+    :func:`pdjax.parallel.shard_params` gives (one jit with ``out_shardings``: each device
+    computes only its shards) and equal the unsharded init bit for bit.
+    """
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+    dtype = jnp.dtype(cfg.param_dtype if dtype is None else dtype_name(dtype, "init_params dtype", PARAM_DTYPES))
+    if mesh is None:
+        return _init(cfg, key, dtype)
+    from pdjax.parallel.mesh import param_shardings
+
+    make = functools.partial(_init, cfg, dtype=dtype)
+    shardings = param_shardings(jax.eval_shape(make, key), cfg, mesh, rules)
+    return jax.jit(make, out_shardings=shardings)(key)
 
 
 def param_dtype(params) -> jnp.dtype:
@@ -77,8 +104,8 @@ def attention(lp, cfg: ModelConfig, x_BTD, q_pos_BT, kv_layer_BSL=None, start_B=
 
     Without a cache the chunk attends to itself (causal) and its new latents [B,T,C+R] are
     returned. With ``kv_layer_BSL`` (a contiguous [B,S,C+R] array or a paged layer) the new
-    latents are written at ``start_B`` and the chunk attends to the whole cached prefix; the
-    updated layer cache is returned.
+    latents are written at ``start_B`` (rounded to the cache's dtype) and the chunk attends to
+    the whole cached prefix, read back in the compute dtype; the updated layer cache is returned.
     """
     p = lp["attn"]
     cos, sin = mla.rope_cos_sin(cfg, q_pos_BT)
@@ -93,6 +120,7 @@ def attention(lp, cfg: ModelConfig, x_BTD, q_pos_BT, kv_layer_BSL=None, start_B=
             kv, view = kv_layer_BSL.write_and_view(new_BTL, start_B)
         else:
             kv = view = write_rows(kv_layer_BSL, new_BTL, start_B)
+        view = view.astype(x_BTD.dtype)          # stored in the cache dtype, read in the compute dtype
         mask = mla.causal_mask(q_pos_BT, view.shape[1])
     if absorbed:
         o = mla.attend_absorbed(p, cfg, q_nope, q_pe, view, mask)
@@ -104,7 +132,9 @@ def attention(lp, cfg: ModelConfig, x_BTD, q_pos_BT, kv_layer_BSL=None, start_B=
 
 def layer(lp, cfg: ModelConfig, x_BTD, q_pos_BT, kv_layer_BSL=None, start_B=None,
           absorbed=False, moe_impl=None, valid_BT=None):
-    """One decoder layer: x + attn(norm(x)), then + ffn(norm(.)). Returns (x, kv)."""
+    """One decoder layer: x + attn(norm(x)), then + ffn(norm(.)). Returns (x, kv).
+    ``x_BTD`` is cast to ``cfg.compute_dtype`` first (a no-op when it already is)."""
+    x_BTD = x_BTD.astype(cfg.compute_dtype)
     h, kv = attention(lp, cfg, mla.rms_norm(x_BTD, lp["attn_norm"], cfg.rms_norm_eps), q_pos_BT,
                       kv_layer_BSL, start_B, absorbed)
     x_BTD = x_BTD + h
@@ -112,13 +142,17 @@ def layer(lp, cfg: ModelConfig, x_BTD, q_pos_BT, kv_layer_BSL=None, start_B=None
     return x_BTD, kv
 
 
-def embed(params, tokens):
-    return params["embed"][tokens]
+def embed(params, tokens, cfg: ModelConfig | None = None):
+    """Embedding rows [..., D], in ``cfg.compute_dtype`` (the params' dtype without cfg)."""
+    x = params["embed"][tokens]
+    return x if cfg is None else x.astype(cfg.compute_dtype)
 
 
 def head(params, cfg: ModelConfig, x):
-    x = mla.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    return (x @ params["lm_head"]).astype(jnp.float32)
+    """Final RMSNorm and the LM head in the compute dtype, accumulated in float32: logits
+    [..., V] float32."""
+    x = mla.rms_norm(x.astype(cfg.compute_dtype), params["final_norm"], cfg.rms_norm_eps)
+    return jnp.matmul(x, params["lm_head"].astype(x.dtype), preferred_element_type=jnp.float32)
 
 
 # ---- jitted cores ------------------------------------------------------------------------
@@ -128,6 +162,7 @@ def run_layers(params, cfg, x_BTD, q_pos_BT, kv_layers=None, start_B=None, absor
     """All decoder layers. Returns (x, per-layer kv: the new latents without a cache, the
     updated layer caches with one). A MoE implementation with its own ``run_layers`` (e.g.
     dual-batch overlap, which interleaves two micro-batches) takes over the loop."""
+    x_BTD = x_BTD.astype(cfg.compute_dtype)
     if hasattr(moe_impl, "run_layers"):
         return moe_impl.run_layers(params, cfg, x_BTD, q_pos_BT, kv_layers, start_B, absorbed, valid_BT)
     new_kv = []
@@ -142,7 +177,7 @@ def forward_core(params, cfg, tokens_BT, moe_impl=None):
     """Unjitted full causal forward (no cache): logits [B,T,V] float32."""
     B, T = tokens_BT.shape
     q_pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    x, _ = run_layers(params, cfg, embed(params, tokens_BT), q_pos, moe_impl=moe_impl)
+    x, _ = run_layers(params, cfg, embed(params, tokens_BT, cfg), q_pos, moe_impl=moe_impl)
     return head(params, cfg, x)
 
 
@@ -164,7 +199,7 @@ def run_with_cache(params, cfg, tokens_BT, cache, new_lengths_B, absorbed=False,
     """Unjitted chunk through the model with a cache (prefill chunk or decode step)."""
     start = cache.lengths
     q_pos = start[:, None] + jnp.arange(tokens_BT.shape[1], dtype=jnp.int32)[None, :]
-    x, new_kv = run_layers(params, cfg, embed(params, tokens_BT), q_pos, cache.layers(), start, absorbed,
+    x, new_kv = run_layers(params, cfg, embed(params, tokens_BT, cfg), q_pos, cache.layers(), start, absorbed,
                            moe_impl, valid_BT)
     return head(params, cfg, x), cache.with_layers(new_kv, start + new_lengths_B)
 
@@ -188,9 +223,10 @@ def _prefill_fresh(params, cfg, tokens_BT, lengths_B, max_len, absorbed=False, m
     its latents are then laid into a cache of max_len positions."""
     B, T = tokens_BT.shape
     q_pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    x, new_kv = run_layers(params, cfg, embed(params, tokens_BT), q_pos, None, None, absorbed, moe_impl,
+    x, new_kv = run_layers(params, cfg, embed(params, tokens_BT, cfg), q_pos, None, None, absorbed, moe_impl,
                            _valid(T, lengths_B))
-    kv = tuple(jnp.pad(k, ((0, 0), (0, max_len - T), (0, 0))) for k in new_kv)
+    kv = tuple(jnp.pad(to_cache_dtype(k, cfg.kv_cache_dtype), ((0, 0), (0, max_len - T), (0, 0)))
+               for k in new_kv)
     return head(params, cfg, x), KVCache(kv=kv, lengths=lengths_B.astype(jnp.int32))
 
 

@@ -131,6 +131,7 @@ def compute(p, state, ep, batch):
         order = jnp.argsort(ids, stable=True)
         group_sizes = recv_counts.sum(0)
         x = rows[order]
+        w = {key: v.astype(x.dtype) for key, v in w.items()}        # the compute dtype
         h = jax.nn.silu(jax.lax.ragged_dot(x, w["w_gate"], group_sizes)) * jax.lax.ragged_dot(
             x, w["w_up"], group_sizes)
         y = jax.lax.ragged_dot(h, w["w_down"], group_sizes)

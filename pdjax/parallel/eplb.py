@@ -373,7 +373,7 @@ def _routing_stats_core(params, cfg: ModelConfig, tokens_BT, mask_BT):
     """(counts [moe_layers, E] int32, logits [B,T,V]) of one causal forward pass."""
     B, T = tokens_BT.shape
     q_pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    x = transformer.embed(params, tokens_BT)
+    x = transformer.embed(params, tokens_BT, cfg)
     counts = []
     for lp in params["layers"]:
         h, _ = transformer.attention(lp, cfg, mla.rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), q_pos)

@@ -107,9 +107,12 @@ def param_logical_axes(params) -> dict:
     return jax.tree_util.tree_map_with_path(axes, params)
 
 
-def shard_params(params, cfg: ModelConfig, mesh: Mesh, rules: ShardingRules | None = None):
-    """Place params on the mesh by the rules (routed experts over the expert axis,
-    everything else replicated by default)."""
+def param_shardings(params, cfg: ModelConfig, mesh: Mesh, rules: ShardingRules | None = None):
+    """The NamedSharding of every param by the rules (routed experts over the expert axis,
+    everything else replicated by default), as a pytree like ``params``. ``params`` may hold
+    arrays or jax.ShapeDtypeStruct (only paths and ranks are read), so an init or a checkpoint
+    load can be placed before any value exists. Raises ValueError when the experts do not
+    divide over the expert axes."""
     rules = rules or ShardingRules.default(mesh)
     rules.check(mesh)
     n = rules.size(mesh, "experts")
@@ -119,17 +122,25 @@ def shard_params(params, cfg: ModelConfig, mesh: Mesh, rules: ShardingRules | No
             if e % n:
                 raise ValueError(f"{e} (physical) experts do not divide over the expert axes "
                                  f"{rules.axes('experts')} of size {n}")
-    shardings = jax.tree.map(lambda ax: NamedSharding(mesh, rules.spec(*ax)), param_logical_axes(params),
-                             is_leaf=lambda x: isinstance(x, tuple))
-    return jax.device_put(params, shardings)
+    return jax.tree.map(lambda ax: NamedSharding(mesh, rules.spec(*ax)), param_logical_axes(params),
+                        is_leaf=lambda x: isinstance(x, tuple))
+
+
+def shard_params(params, cfg: ModelConfig, mesh: Mesh, rules: ShardingRules | None = None):
+    """Place params on the mesh by the rules (:func:`param_shardings`)."""
+    return jax.device_put(params, param_shardings(params, cfg, mesh, rules))
 
 
 def batch_sharding(mesh: Mesh, rules: ShardingRules | None = None, ndim: int = 2) -> NamedSharding:
+    """Sharding of a batch-major array of ``ndim`` dims: the batch split over the rules'
+    batch axes (data-parallel attention), the other dims whole."""
     rules = rules or ShardingRules.default(mesh)
     return NamedSharding(mesh, rules.spec("batch", *([None] * (ndim - 1))))
 
 
 def check_batch(mesh: Mesh, batch: int, rules: ShardingRules | None = None) -> None:
+    """Raise ValueError (before any compute) when ``batch`` sequences do not split evenly
+    over the mesh's batch axes."""
     rules = rules or ShardingRules.default(mesh)
     n = rules.size(mesh, "batch")
     if batch % n:

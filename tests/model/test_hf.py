@@ -150,3 +150,58 @@ def test_mtp_layers_skipped_with_warning(tmp_path):
     _rewrite(src, lambda t: t.update({"model.layers.3.eh_proj.weight": np.zeros((2, 2), np.float32)}))
     with pytest.warns(UserWarning, match="multi-token-prediction layers \\[3\\]"):
         pdjax.load_hf(str(src))
+
+
+# ---- dtype and placement ---------------------------------------------------------------------
+
+def test_load_keeps_the_stored_dtype(tmp_path):
+    """A bf16 checkpoint loads as bf16 (router bias float32, as HF keeps it), cfg.param_dtype
+    says so, and dtype= converts it."""
+    import ml_dtypes
+    from safetensors.numpy import load_file, save_file
+    src = _copy("deepseek_v3_tiny", tmp_path)
+    for shard in sorted(src.glob("*.safetensors")):
+        tensors = load_file(shard)
+        save_file({k: v if k.endswith("e_score_correction_bias") else v.astype(ml_dtypes.bfloat16)
+                   for k, v in tensors.items()}, shard)
+    cfg32, params32 = pdjax.load_hf(os.path.join(HF, "deepseek_v3_tiny"))
+    cfg, params = pdjax.load_hf(str(src))
+    assert cfg.param_dtype == "bfloat16" and cfg == cfg32.replace(param_dtype="bfloat16")
+
+    def check(path, x, x32):
+        want = jnp.float32 if path[-1].key == "router_bias" else jnp.bfloat16
+        assert x.dtype == want, jax.tree_util.keystr(path)
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(x32).astype(want))
+    jax.tree_util.tree_map_with_path(check, params, params32)
+    cfg_up, up = pdjax.load_hf(str(src), dtype="float32")
+    assert cfg_up == cfg32 and all(x.dtype == jnp.float32 for x in jax.tree.leaves(up))
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, np.asarray(b).astype(np.float32)), up, params)
+
+
+def test_load_onto_a_mesh_places_like_shard_params(monkeypatch):
+    """load_hf(mesh=) puts every tensor on the sharding shard_params gives, with the values of
+    the unsharded load, and each device reads only its own experts: a routed expert's tensor
+    is read once per device holding it (the data axis' replicas), not once per device."""
+    from pdjax.parallel import make_mesh, shard_params
+    path = os.path.join(HF, "deepseek_v3_tiny")
+    cfg, params = pdjax.load_hf(path)
+    mesh = make_mesh({"data": 2, "expert": 4})
+    want = shard_params(params, cfg, mesh)
+    reads: dict[str, int] = {}
+    real_get = hf.SafetensorsFile.get
+
+    def counting_get(self, name):
+        reads[name] = reads.get(name, 0) + 1
+        return real_get(self, name)
+    monkeypatch.setattr(hf.SafetensorsFile, "get", counting_get)
+    cfg_m, got = pdjax.load_hf(path, mesh=mesh)
+    assert cfg_m == cfg
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w, p in zip(jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(params)):
+        assert g.sharding == w.sharding and g.dtype == w.dtype
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(p))
+    sharded = [g for g in jax.tree.leaves(got) if not g.sharding.is_fully_replicated]
+    assert len(sharded) == 3 * (cfg.num_hidden_layers - cfg.first_k_dense_replace)
+    expert_reads = {n: c for n, c in reads.items() if ".experts." in n}
+    assert len(expert_reads) == 3 * cfg.n_routed_experts * (cfg.num_hidden_layers - cfg.first_k_dense_replace)
+    assert set(expert_reads.values()) == {mesh.shape["data"]}

@@ -168,3 +168,18 @@ def test_causal_block_skipping_equals_full_attention(tiny_cfg, tiny_params, bloc
     full = mla.attend_naive(p, cfg, q_nope, q_pe, kv, mask)
     np.testing.assert_allclose(mla.attend_naive(p, cfg, q_nope, q_pe, kv, mask, causal_blocks=blocks),
                                full, atol=TOL, rtol=0)
+
+
+def test_init_into_shardings_equals_unsharded_init(tiny_cfg):
+    """init_params(mesh=) makes the params in shard_params' placement, bit for bit the
+    unsharded init's values (two layers, one dense and one MoE: a short compile)."""
+    from pdjax.parallel import make_mesh, shard_params
+    cfg = tiny_cfg.replace(num_hidden_layers=2)
+    mesh = make_mesh({"data": 2, "expert": 4})
+    got = pdjax.init_params(cfg, jax.random.key(0), mesh=mesh)
+    want = shard_params(pdjax.init_params(cfg, jax.random.key(0)), cfg, mesh)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.sharding == w.sharding and g.dtype == w.dtype
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    assert sum(not g.sharding.is_fully_replicated for g in jax.tree.leaves(got)) == 3   # the experts
