@@ -23,10 +23,16 @@ cores), later runs mostly measure.
     .venv/bin/python benchmarks/pipeline_executor.py [--quick] [--ranks 2,4,8]
         [--schedules 1f1b,zb1p,dualpipe,dualpipev] [--scale 1]
 
-XLA:CPU runs one op on every core (the benchmark prints how much faster two devices run at
-once than one alone: about 1.0x on this backend; ``--xla_cpu_multi_thread_eigen=false``
-does not change that on jax 0.10), so isolated op times are faster than the same ops with
-the other ranks running; (b) also reports the simulation fed with the op times as they ran.
+In one process XLA:CPU runs one op on every core (the benchmark prints how much faster two
+devices run at once than one alone: about 1.0x on this backend;
+``--xla_cpu_multi_thread_eigen=false`` does not change that on jax 0.10), so isolated op
+times are faster than the same ops with the other ranks running. ``--processes`` runs each
+rank in a process of its own pinned to one core (:class:`pdjax.pipeline.RankProcesses`): a
+rank per core, as a rank per GPU. Measured on the 2-core machine, quiet, ``--ranks 2
+--processes --scale 3 --repeats 5``: median |error| 5.0 % (1F1B -2.1 %, ZB1P -5.7 %,
+DualPipe -8.0 %, DualPipeV -4.3 %), contention 1.06; at ``--scale 1`` (2 ms ops, 1-1.6 ms
+dispatch) 8.3 %; at 4 ranks on the 2 cores 41 % (two ranks per core: contention 1.5).
+(b) also reports the simulation fed with the op times as they ran.
 """
 
 from __future__ import annotations
@@ -200,11 +206,19 @@ def main() -> None:
     print("\n(b) measured makespan of the overlapped run vs simulate() fed with (a)")
     print(text_table(rows))
     print(error_table(by_ranks, cores))
-    print(f"The simulated devices share {cores} cores, and XLA:CPU runs one op on all of them: two devices "
-          f"running at once go {core_sharing(jax.devices()):.2f}x as fast as one alone (2.0 would be a core "
-          "each). So an op measured alone gets every core and ops of concurrent ranks slow each other "
-          "(contention); a GPU per rank would not. The in-run column feeds the simulator the op times as they "
-          "ran: what is left is the schedule model's own error. With more ranks than cores |error| grows.")
+    if args.processes:
+        print(f"Each rank is a process pinned to core (rank mod {cores}) with one CPU device: with ranks <= cores "
+              "no two ranks share a core, so an op's isolated time is its time in the run (contention ~1) and "
+              "the simulation predicts the makespan; with more ranks than cores two ranks share a core "
+              "(contention ~ ranks / cores) and |error| grows. The in-run column feeds the simulator the op "
+              "times as they ran: what is left is the schedule model's own error.")
+    else:
+        print(f"The simulated devices share {cores} cores, and XLA:CPU runs one op on all of them: two devices "
+              f"running at once go {core_sharing(jax.devices()):.2f}x as fast as one alone (2.0 would be a core "
+              "each). So an op measured alone gets every core and ops of concurrent ranks slow each other "
+              "(contention); a GPU per rank would not (nor --processes: a rank per core). The in-run column "
+              "feeds the simulator the op times as they ran: what is left is the schedule model's own error. "
+              "With more ranks than cores |error| grows.")
     print("\n(c) dispatch overhead per op (time a compiled call takes to return)")
     print(dispatch_table(rows))
     print(f"\ntotal {time.perf_counter() - t_start:.0f} s (with a cold .jax_cache, mostly compiling)")

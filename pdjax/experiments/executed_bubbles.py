@@ -3,7 +3,10 @@
 For every schedule of the config, :func:`pdjax.pipeline.executed.measure_schedule` runs the
 model's training step with the :class:`pdjax.pipeline.Executor` (a measured timeline per
 rank), times every op in isolation and simulates the schedule with those times and the
-executor's byte model. The run directory gets ``<schedule>.png`` (measured over simulated
+executor's byte model. ``[run] processes = true`` (the default) runs each rank in a process
+of its own pinned to one CPU core (:class:`pdjax.pipeline.RankProcesses`), so ranks do not
+share cores; ``false`` runs every rank as a thread of this process (on accelerators, where
+a rank is a device). The run directory gets ``<schedule>.png`` (measured over simulated
 Gantt chart, one time axis), ``executed_bubbles.csv`` / ``executed_bubbles.json`` (one row
 per schedule) and ``report.md``.
 
@@ -24,7 +27,7 @@ from pdjax.experiments.runner import with_defaults
 
 DEFAULTS = {
     "run": {"schedules": ["1f1b", "zb1p", "dualpipe", "dualpipev"], "ranks": 2, "microbatches": 8,
-            "repeats": 3, "op_repeats": 3, "scale": 1},
+            "repeats": 3, "op_repeats": 3, "scale": 1, "processes": True},
     "model": {"preset": "tiny", "layers": 4, "dense_layers": 1, "seed": 0},
     "batch": {"rows": 4, "seq_len": 32, "seed": 1},
 }
@@ -57,6 +60,8 @@ def parse_config(cfg: dict) -> dict:
         _int(sec, key, out[sec][key])
     for sec, key in (("model", "dense_layers"), ("model", "seed"), ("batch", "seed")):
         _int(sec, key, out[sec][key], minimum=0)
+    if not isinstance(out["run"]["processes"], bool):
+        raise ValueError(f"executed_bubbles config [run] processes must be true or false, got {out['run']['processes']!r}")
     return out
 
 
@@ -92,7 +97,8 @@ def run_executed_bubbles(cfg: dict, out_dir: str) -> dict:
     rows, plots = [], {}
     for name in progress.track(run["schedules"], "executed_bubbles: schedules (compile, time, simulate)"):
         row = measure_schedule(name, mcfg, num_ranks=run["ranks"], num_microbatches=run["microbatches"],
-                               params=params, tokens=tokens, repeats=run["repeats"], op_repeats=run["op_repeats"])
+                               params=params, tokens=tokens, repeats=run["repeats"], op_repeats=run["op_repeats"],
+                               processes=run["processes"])
         plots[name] = f"{name}.png"
         plot_pair(row, os.path.join(out_dir, plots[name]))
         rows.append(row)
@@ -100,7 +106,7 @@ def run_executed_bubbles(cfg: dict, out_dir: str) -> dict:
                       f"{row.simulated_makespan_ms:.1f} ms ({100 * row.makespan_error:+.1f}%)")
     setup = {"backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()[:run["ranks"]]],
              "model": c["model"], "scale": scale, "hidden_size": mcfg.hidden_size, "batch": list(shape),
-             "rows_per_microbatch": rows_per_mb}
+             "rows_per_microbatch": rows_per_mb, "processes": run["processes"]}
     summary = _write(rows, plots, setup, out_dir)
     summary["row_objects"] = rows       # with their timelines; not in the JSON file
     return summary
@@ -135,7 +141,9 @@ def _write(rows, plots: dict, setup: dict, out_dir: str) -> dict:
         json.dump(summary, f, indent=2, default=str)
     about = (f"Model {setup['model']['preset']} x{setup['scale']} (hidden {setup['hidden_size']}, "
              f"{setup['model']['layers']} layers), batch {setup['batch'][0]} x {setup['batch'][1]} tokens "
-             f"({setup['rows_per_microbatch']} rows per micro-batch), one {setup['backend']} device per rank. "
+             f"({setup['rows_per_microbatch']} rows per micro-batch), one {setup['backend']} device per rank"
+             + (", each rank a process of its own pinned to one core. " if setup["processes"]
+                else ", every rank a thread of one process. ") +
              "Measured: the median-makespan step of the executor's instrumented run; simulated: "
              "`pdjax.pipeline.simulate` fed with every op's median time measured in isolation.")
     lines = ["# Executed pipeline schedules: measured vs simulated bubbles", "", summary["headline"] + ".", "",

@@ -113,6 +113,7 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, num_stages_per_rank:
     return Schedule("interleaved-1f1b", layout, tuple(ops), (("num_stages_per_rank", v),))
 
 
+#: The schedule generators by name: ``build(name, num_ranks, num_microbatches)`` calls them.
 GENERATORS = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,

@@ -85,6 +85,7 @@ class OverlapFB:
         return f"({self.forward};{self.backward}){OVERLAP_SUFFIX}"
 
 
+#: Any op of a schedule: a single F/B/I/W op or an overlapped F&B pair.
 AnyOp = Union[Op, OverlapFB]
 
 

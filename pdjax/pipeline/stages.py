@@ -131,7 +131,7 @@ class StageProgram:
 
     # ---- raw functions -----------------------------------------------------------------------
     def forward_fn(self, sp, x, tok):
-        h_in = tfm.embed(sp, x) if self.chunk.first else x
+        h_in = tfm.embed(sp, x, self.cfg) if self.chunk.first else x
         y, vjp = jax.vjp(lambda p, h: self._body(p, h, tok), self._diff_params(sp), h_in)
         leaves, treedef = jax.tree.flatten(vjp)
         param_ids = {id(p): i for i, p in enumerate(jax.tree.leaves(sp))}
