@@ -1,5 +1,6 @@
 """Prefill/decode disaggregation on real meshes: PDEngine, ColocatedEngine, the paged decode
-pool, the layer-wise latent-KV handoff, and two-process serving (launch_two_process).
+pool, the layer-wise latent-KV handoff, and two-process serving (launch_two_process), all
+driving one decode scheduler (DecodeScheduler, a state machine of typed events and actions).
 
 The engines need jax (and the prefix store tensorstore): they load on first use, so the
 pure-Python parts (``pdjax.disagg.prefix_index``, shared with the serving simulator) import
@@ -9,7 +10,7 @@ import importlib
 
 _LAZY = {"ColocatedEngine": "engine", "PDEngine": "engine", "TwoProcessServer": "launcher",
          "launch_two_process": "launcher", "Request": "request", "RequestError": "request",
-         "SamplingParams": "request"}
+         "SamplingParams": "request", "DecodeScheduler": "scheduler"}
 
 
 def __getattr__(name):
@@ -18,5 +19,5 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["ColocatedEngine", "PDEngine", "Request", "RequestError", "SamplingParams", "TwoProcessServer",
+__all__ = ["ColocatedEngine", "DecodeScheduler", "PDEngine", "Request", "RequestError", "SamplingParams", "TwoProcessServer",
            "launch_two_process"]

@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from pdjax.config import ModelConfig
 from pdjax.disagg.request import Request, sample
 from pdjax.model.paged import BlockAllocator, init_paged_cache
-from pdjax.model.transformer import decode_core, param_dtype
+from pdjax.model.transformer import decode_core
 from pdjax.parallel.ep import ExpertParallel
 from pdjax.parallel.mesh import make_mesh, shard_params
 
@@ -74,7 +74,7 @@ class DecodePool:
         self.ep = ExpertParallel(self.mesh) if "expert" in self.axes else None
         self.params = shard_params(params, cfg, self.mesh)
         self.cache = init_paged_cache(cfg, slots=slots, num_blocks=num_blocks, block_size=block_size,
-                                      blocks_per_slot=self.blocks_per_slot, dtype=param_dtype(params),
+                                      blocks_per_slot=self.blocks_per_slot, dtype=cfg.kv_cache_dtype,
                                       mesh=self.mesh, axes=self.axes)
         self.batch_sharding = NamedSharding(self.mesh, P(self.axes if len(self.axes) > 1 else self.axes[0]))
         self.alloc = BlockAllocator(self.ranks, num_blocks, block_size)

@@ -1,23 +1,26 @@
 """PD-disaggregated and colocated serving engines over real meshes.
 
 ``PDEngine``: a prefill pool and a decode pool on disjoint devices, each with its own mesh
-and parallel layout (prefill: small EP; decode: DP attention + EP over a paged cache). A
-prefill thread takes requests in order, waits for the decode pool to pre-allocate the KV
-blocks (back-pressure when it is full), prefills layer by layer and pushes each layer's
-latent rows to the decode rank that owns the blocks; the decode loop (the calling thread)
-writes arriving layers into the blocks, admits a request to the running batch once all its
-layers are in, and steps the batch (continuous batching: requests join and leave between
-steps). A failed handoff is retried by prefilling the request again; so is one that makes no
-progress for ``handoff_timeout_s`` (its late layers are ignored).
+and parallel layout (prefill: small EP; decode: DP attention + EP over a paged cache). The
+decode loop (the calling thread) drives the decode scheduler
+(:class:`pdjax.disagg.scheduler.DecodeScheduler`, the state machine every PD deployment
+shares): it releases each request at its arrival; the scheduler pre-allocates its KV blocks
+on a decode rank (back-pressure when the pool is full) and starts a prefill attempt, which
+this driver gives to the prefill worker predicted to finish it first; the worker prefills
+layer by layer and pushes each layer's latent rows to the decode rank that owns the blocks;
+the scheduler writes arriving layers into the blocks, admits a request to the running batch
+once its prefill is ready, and the loop steps the batch (continuous batching: requests join
+and leave between steps). A failed attempt is prefilled again; so is one that makes no
+progress for ``handoff_timeout_s`` (the worker stops it at its next layer; late layers are
+ignored).
 
 Several prefill workers (``prefill_workers``: the prefill devices split into equal meshes)
-share one prefix cache; a dispatcher gives each arriving request to the worker predicted to
-finish it first under the prefill cost model (``prefill_cost``, a callable cost(q, c) in
-seconds such as a fitted :class:`~pdjax.analysis.costmodel_fit.PrefillCostFit`; measured on
-this engine's own prefill pool by :meth:`PDEngine.calibrate_prefill` when not given).
-Chunked prefill: with ``prefill_budget_s`` each chunk is the largest that fits the budget
-under the cost model given the tokens already cached (``prefill_chunk_tokens`` caps it, or
-alone fixes it).
+share one prefix cache; each attempt goes to the worker predicted to finish it first under
+the prefill cost model (``prefill_cost``, a callable cost(q, c) in seconds such as a fitted
+:class:`~pdjax.analysis.costmodel_fit.PrefillCostFit`; measured on this engine's own prefill
+pool by :meth:`PDEngine.calibrate_prefill` when not given). Chunked prefill: with
+``prefill_budget_s`` each chunk is the largest that fits the budget under the cost model
+given the tokens already cached (``prefill_chunk_tokens`` caps it, or alone fixes it).
 
 ``ColocatedEngine``: the same scheduler with both pools on the same devices (no link); as in
 a single-pool engine, a step is either a prefill chunk or a decode step (a FIFO lock lets a
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 import queue
 import threading
 
@@ -36,22 +40,24 @@ import jax
 import numpy as np
 
 from pdjax.config import ModelConfig
-from pdjax.model.transformer import param_dtype
-from pdjax.disagg.decode import DecodePool, Reservation
+from pdjax.disagg.decode import DecodePool
 from pdjax.disagg.prefill import PrefillPool, chunk_plan
 from pdjax.disagg.prefix_store import CorruptBlockError, MissingBlockError, PrefixStore
 from pdjax.disagg.request import Clock, Request, RequestError, SamplingParams, validate_request
+from pdjax.disagg.scheduler import (Admitted, CancelPrefill, DecodeScheduler, Failed, LayerArrived, Ready, Started,
+                                    StartPrefill, Stepped, Submit, Tick, Token)
 from pdjax.disagg.scheduling import FifoLock, Signals, largest_chunk, measure_link_bandwidth, whole_buckets
 
 
-class _Handoff:
-    """Bookkeeping of one prefill attempt's transfer, shared by the threads."""
+class _Crashed:
+    """A prefill worker died: the decode loop re-raises its error."""
 
-    def __init__(self, res: Reservation, t_reserved: float):
-        self.res, self.t_reserved = res, t_reserved
-        self.t_progress = t_reserved          # last layer that arrived (decode side)
-        self.bytes = 0
-        self.abandoned = False                # timed out: its late messages are ignored
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+class _Cancelled(Exception):
+    """An attempt the scheduler abandoned: stop computing it, send nothing more."""
 
 
 class PDEngine:
@@ -88,7 +94,9 @@ class PDEngine:
         self.prefills = [PrefillPool(params, cfg, prefill_devices[w * per:(w + 1) * per], prefill_mesh or {"expert": per})
                          for w in range(prefill_workers)]
         self.prefill = self.prefills[0]
-        self.decode = DecodePool(params, cfg, decode_devices, decode_mesh or {"expert": len(decode_devices)},
+        # colocated: the decode pool uses the prefill pool's placed params (same devices and
+        # mesh: shard_params moves nothing), so the weights are on the devices once
+        self.decode = DecodePool(self.prefills[0].params if colocated else params, cfg, decode_devices, decode_mesh or {"expert": len(decode_devices)},
                                  slots=max_decode_slots, block_size=block_size, max_context=self.max_context,
                                  num_blocks=num_blocks)
         self.max_prefill_attempts = max_prefill_attempts
@@ -102,7 +110,7 @@ class PDEngine:
         self.store = None
         if prefix_cache:
             opts = {"device_blocks": 0, "host_blocks": 256, **(prefix_cache if isinstance(prefix_cache, dict) else {})}
-            self.store = PrefixStore(cfg, block_size, dtype=param_dtype(params),
+            self.store = PrefixStore(cfg, block_size, dtype=cfg.kv_cache_dtype,
                                      device=self.prefill.replicated, **opts)
         self.fault_hooks: dict = {}     # test hooks: "handoff" -> callable(request, layer) that may raise
         self.stats: dict = {}
@@ -154,78 +162,58 @@ class PDEngine:
         self.calibration_samples = samples
         return self.prefill_cost
 
-    def _dispatch_loop(self, arrivals, retries, worker_queues, clock, stop, inbox):
-        """Release each request at its arrival (``arrivals``: in arrival order; ``retries``:
-        requests to prefill again, released at once) and give it to the worker predicted to
-        finish it first: predicted free time of each worker + the request's predicted cost."""
-        try:
-            free_at = [0.0] * len(worker_queues)
-            upcoming = collections.deque(arrivals)
-            while not stop.is_set():
-                try:
-                    req = retries.get_nowait()
-                except queue.Empty:
-                    if not upcoming or clock.now() < upcoming[0].arrival:
-                        wait = 0.05 if not upcoming else min(0.01, upcoming[0].arrival - clock.now())
-                        stop.wait(max(wait, 0.0))
-                        continue
-                    req = upcoming.popleft()
-                w, cost = 0, None
-                if len(worker_queues) > 1:
-                    hit = self.store.lookup(req.prompt, peek=True) if self.store is not None else 0
-                    cost = self.predicted_prefill_s(len(req.prompt), hit)
-                    now = clock.now()
-                    w = min(range(len(free_at)), key=lambda i: (max(free_at[i], now) + cost, i))
-                    free_at[w] = max(free_at[w], now) + cost
-                req.prefill_worker, req.predicted_prefill_s = w, cost
-                worker_queues[w].put(req)
-        except BaseException as e:  # noqa: BLE001 - never leave the decode loop waiting
-            inbox.put(("crashed", e))
+    def _pick_worker(self, req, free_at: list, now: float) -> int:
+        """The prefill worker predicted to finish ``req`` first: its predicted free time plus
+        the request's predicted cost (one worker: the only one)."""
+        w, cost = 0, None
+        if len(free_at) > 1:
+            hit = self.store.lookup(req.prompt, peek=True) if self.store is not None else 0
+            cost = self.predicted_prefill_s(len(req.prompt), hit)
+            w = min(range(len(free_at)), key=lambda i: (max(free_at[i], now) + cost, i))
+            free_at[w] = max(free_at[w], now) + cost
+        req.prefill_worker, req.predicted_prefill_s = w, cost
+        return w
 
-    def _prefill_loop(self, pool, jobs, inbox, clock, stop):
+    def _prefill_loop(self, pool, jobs, inbox, clock, stop, cancelled):
         try:
-            self._prefill_requests(pool, jobs, inbox, clock, stop)
+            self._prefill_requests(pool, jobs, inbox, clock, stop, cancelled)
         except BaseException as e:  # noqa: BLE001 - never leave the decode loop waiting
-            inbox.put(("crashed", e))
+            inbox.put(_Crashed(e))
 
     def _prefill_requests(self, pool: PrefillPool, jobs: "queue.Queue", inbox: "queue.Queue", clock: Clock,
-                          stop: threading.Event):
+                          stop: threading.Event, cancelled: set):
+        """One prefill worker: attempts in order (their KV blocks already reserved), each
+        layer pushed to the decode rank that owns the blocks as soon as it is computed."""
         chunk = self._chunker(pool)
         while not stop.is_set():
             try:
-                req = jobs.get(timeout=0.05)
+                a = jobs.get(timeout=0.05)
             except queue.Empty:
                 continue
-            res = None
-            self._signals.blocked += 1                # queued until the decode side has room
-            while res is None and not stop.is_set():
-                res = self.decode.reserve(req)
-                if res is None:                       # decode pool full: back-pressure
-                    with self.decode.lock:
-                        self.decode.lock.wait(timeout=0.05)
-            self._signals.blocked -= 1
-            if res is None:
-                return
-            h = _Handoff(res, clock.now())
-            req.prefill_attempts += 1
-            target = self.decode.target_device(res)
-            inbox.put(("start", h))
+            req, key = a.request, (a.request.index, a.number)
+            if key in cancelled:                      # abandoned while queued: never started
+                continue
+            target = self.decode.target_device(a.res)
+            inbox.put(Started(req.index, a.number, clock.now()))
 
-            def push(l, rows, start, h=h):
+            def push(l, rows, start, key=key):
+                if key in cancelled:                  # abandoned while running: stop here
+                    raise _Cancelled()
                 hook = self.fault_hooks.get("handoff")
                 if hook is not None:
                     hook(req, l)
                 moved = jax.device_put(rows, target)          # asynchronous copy
-                if not self.colocated:
-                    h.bytes += rows.size * rows.dtype.itemsize
-                inbox.put(("layer", h, l, moved, start))
+                nbytes = 0 if self.colocated else rows.size * rows.dtype.itemsize
+                inbox.put(LayerArrived(key[0], key[1], l, moved, start, nbytes, clock.now()))
             try:
                 prefix = self._cached_prefix(req, pool)
                 tok, rows = pool.run(req, push, prefix, chunk=chunk, step_lock=self._pool_lock)
-            except Exception as e:  # noqa: BLE001 - any handoff/prefill failure retries the request
-                inbox.put(("failed", h, e))
+            except _Cancelled:
                 continue
-            inbox.put(("ready", h, tok))
+            except Exception as e:  # noqa: BLE001 - any handoff/prefill failure retries the request
+                inbox.put(Failed(req.index, a.number, f"{type(e).__name__}: {e}", clock.now()))
+                continue
+            inbox.put(Ready(req.index, a.number, tok, clock.now()))
             if self.store is not None:                # after ready: a store failure costs a cache entry only
                 try:
                     self.store.insert(req.prompt, rows, retention=req.retention)
@@ -275,111 +263,78 @@ class PDEngine:
         if self.prefill_cost is None and (self.prefill_budget_s is not None or len(self.prefills) > 1):
             self.calibrate_prefill()                  # once, before any thread needs it
         clock = Clock()                               # the served clock starts now
-        retries, inbox = queue.Queue(), queue.Queue()
+        inbox: queue.Queue = queue.Queue()
         stop = threading.Event()
+        cancelled: set = set()                        # (request, attempt) the scheduler abandoned
         jobs = [queue.Queue() for _ in self.prefills]
-        self._signals = signals = Signals(self, jobs, clock)
-        arrivals = [r for r in reqs if r.error is None]
-        threads = [threading.Thread(target=self._dispatch_loop, args=(arrivals, retries, jobs, clock, stop, inbox),
-                                    daemon=True)]
-        threads += [threading.Thread(target=self._prefill_loop, args=(pool, q, inbox, clock, stop), daemon=True)
-                    for pool, q in zip(self.prefills, jobs)]
+        sched = DecodeScheduler(self.decode, max_prefill_attempts=self.max_prefill_attempts,
+                                handoff_timeout_s=self.handoff_timeout_s)
+        self._signals = signals = Signals(self.link_bandwidth_Bps,
+                                          lambda: sum(q.qsize() for q in jobs) + len(sched.waiting), clock)
+        threads = [threading.Thread(target=self._prefill_loop, args=(pool, q, inbox, clock, stop, cancelled),
+                                    daemon=True) for pool, q in zip(self.prefills, jobs)]
         for t in threads:
             t.start()
         try:
-            self._decode_loop(reqs, retries, inbox, clock, on_token, signals)
+            self._decode_loop(sched, [r for r in reqs if r.error is None], jobs, inbox, cancelled, clock,
+                              on_token, signals)
         finally:
             stop.set()
             for t in threads:
                 t.join(timeout=60)
-        self._record_stats(reqs, clock, signals)
+        self._record_stats(reqs, clock, signals, sched)
         return [r.error if r.error is not None else list(r.output) for r in reqs]
 
-    def _emit(self, req: Request, tok: int, clock: Clock, on_token) -> bool:
-        """Record a token; True when the request is finished."""
-        t = clock.now()
-        req.output.append(tok)
-        req.token_times.append(t)
-        if req.first_token_time is None:
-            req.first_token_time = t
-        if on_token is not None:
-            on_token(req.index, tok)
-        if len(req.output) >= req.max_new_tokens or tok in req.stop_tokens:
-            req.finish_time = t
-            return True
-        return False
+    def _decode_loop(self, sched, arrivals, jobs, inbox, cancelled, clock, on_token, signals):
+        """The driver of the scheduler in this process: releases each request at its arrival,
+        feeds it the prefill workers' events and the decode steps, and carries out its
+        actions (an attempt to the worker predicted to finish it first, cancellations,
+        streamed tokens)."""
+        upcoming = collections.deque(arrivals)
+        free_at = [0.0] * len(jobs)
 
-    def _decode_loop(self, reqs, retries, inbox, clock, on_token, signals):
-        remaining = sum(r.error is None for r in reqs)
-        inflight: set = set()
+        def carry(actions):
+            for a in actions:
+                if isinstance(a, StartPrefill):
+                    jobs[self._pick_worker(a.attempt.request, free_at, clock.now())].put(a.attempt)
+                elif isinstance(a, CancelPrefill):
+                    cancelled.add((a.request, a.attempt))
+                elif isinstance(a, Admitted):
+                    signals.kv_waits.append(a.request.kv_wait_s)
+                elif isinstance(a, Token):
+                    if on_token is not None:
+                        on_token(a.request.index, a.token)
 
-        def retry(h, why):
-            nonlocal remaining
-            req = h.res.request
-            self.decode.cancel(h.res)
-            inflight.discard(h)
-            if req.prefill_attempts >= self.max_prefill_attempts:
-                req.error = RequestError(f"request {req.index}: prefill/handoff failed "
-                                         f"{req.prefill_attempts} times: {why}")
-                remaining -= 1
-            else:
-                retries.put(req)                   # prefill it again, ahead of later arrivals
-
-        while remaining:
-            watching = self.handoff_timeout_s is not None and inflight
-            block = not self.decode.active
-            try:
-                msgs = [inbox.get(timeout=0.05 if watching else 1.0) if block else inbox.get_nowait()]
-            except queue.Empty:
-                msgs = []
+        while upcoming or sched.remaining:
+            while upcoming and upcoming[0].arrival <= clock.now():
+                carry(sched.handle(Submit(upcoming.popleft(), clock.now())))
+            events = []
+            if not sched.running:                     # idle: sleep until a message, an arrival or a deadline
+                wake = min(upcoming[0].arrival if upcoming else math.inf, sched.deadline(), clock.now() + 1.0)
+                try:
+                    events.append(inbox.get(timeout=max(wake - clock.now(), 0.0)))
+                except queue.Empty:
+                    pass
             while True:
                 try:
-                    msgs.append(inbox.get_nowait())
+                    events.append(inbox.get_nowait())
                 except queue.Empty:
                     break
-            for msg in msgs:
-                if msg[0] == "crashed":
-                    raise RuntimeError("the prefill worker crashed") from msg[1]
-                kind, h = msg[0], msg[1]
-                req = h.res.request
-                if h.abandoned:                            # a timed-out attempt's late message
-                    continue
-                if kind == "start":
-                    inflight.add(h)
-                elif kind == "layer":
-                    self.decode.receive_layer(h.res, msg[2], msg[3], msg[4])
-                    h.t_progress = clock.now()
-                    if not self.colocated:
-                        signals.bytes += msg[3].nbytes
-                elif kind == "failed":
-                    retry(h, msg[2])
-                else:                                      # "ready": all layers sent
-                    inflight.discard(h)
-                    req.kv_bytes_sent += h.bytes
-                    if self._emit(req, msg[2], clock, on_token):
-                        self.decode.cancel(h.res)
-                        remaining -= 1
-                        continue
-                    self.decode.admit(h.res, msg[2])
-                    req.kv_wait_s += clock.now() - h.t_reserved
-                    signals.kv_waits.append(req.kv_wait_s)
+            for ev in events:
+                if isinstance(ev, _Crashed):
+                    raise RuntimeError("the prefill worker crashed") from ev.error
+                if isinstance(ev, LayerArrived):
+                    signals.bytes += ev.nbytes
+                carry(sched.handle(ev))
             if self.handoff_timeout_s is not None:
-                now = clock.now()
-                for h in [h for h in inflight if now - h.t_progress > self.handoff_timeout_s]:
-                    h.abandoned = True
-                    h.res.request.handoff_timeouts += 1
-                    retry(h, f"no KV arrived for {self.handoff_timeout_s:g} s (handoff timed out)")
+                carry(sched.handle(Tick(clock.now())))
             signals.sample()
-            if self.decode.active:
+            if sched.running:
                 with self._pool_lock:
                     new_tokens = self.decode.step()
-                for slot, tok in new_tokens.items():
-                    req = self.decode.slot_req[slot].request
-                    if self._emit(req, tok, clock, on_token):
-                        self.decode.release(slot)
-                        remaining -= 1
+                carry(sched.handle(Stepped(new_tokens, clock.now())))
 
-    def _record_stats(self, reqs, clock, signals):
+    def _record_stats(self, reqs, clock, signals, sched):
         per = [r.metrics() for r in reqs]
         sent = sum(r.kv_bytes_sent for r in reqs)
         elapsed = clock.now()
@@ -394,6 +349,7 @@ class PDEngine:
                       "prefill_queue_depth_mean": float(np.mean(depths)),
                       "decode_kv_wait_p95_s": float(np.percentile(waits, 95)) if waits else 0.0,
                       "handoff_timeouts": sum(r.handoff_timeouts for r in reqs),
+                      "stale_messages": sched.stats["stale_messages"], "pool_full": sched.stats["pool_full"],
                       "signals": signals.rows,
                       "failed": sum(r.error is not None for r in reqs)}
 

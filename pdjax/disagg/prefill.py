@@ -47,9 +47,9 @@ def _cache_buffer(prefix_rows, size):
     return jax.lax.dynamic_update_slice(buf, prefix_rows[None], (0, 0, 0))
 
 
-@jax.jit
-def _embed(params, tokens):
-    return embed(params, tokens)
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _embed(params, cfg, tokens):
+    return embed(params, tokens, cfg)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -128,7 +128,7 @@ class PrefillPool:
             start = self._put(np.array([pos], np.int32))
             t0 = time.perf_counter()
             with step_lock:
-                x = _embed(self.params, tokens)
+                x = _embed(self.params, self.cfg, tokens)
                 for l, lp in enumerate(layers):
                     if kvs[l] is None:
                         if loaded is not None:
@@ -160,7 +160,7 @@ class PrefillPool:
     def _fresh(self, prompt, push, timeline):
         T = len(prompt)
         tokens, q_pos, valid = self._inputs(prompt, 0, T)
-        x = _embed(self.params, tokens)
+        x = _embed(self.params, self.cfg, tokens)
         rows = []
         for l, lp in enumerate(self.params["layers"]):
             x, kv = _layer(lp, self.cfg, x, q_pos, valid, self.ep)

@@ -83,7 +83,7 @@ class PrefixStore:
     per block; ``device_blocks`` / ``host_blocks`` / ``disk_blocks``: tier capacities in
     blocks (0 disables a tier); ``disk_dir``: where the disk tier's directory is made
     (required when ``disk_blocks`` > 0); ``retention``: ``{class: ttl_seconds}``;
-    ``clock``: seconds, injectable for tests; ``dtype``: the params dtype of the rows;
+    ``clock``: seconds, injectable for tests; ``dtype``: the dtype of the rows (the latent cache's);
     ``device``: where device-tier blocks live. Thread-safe (one lock around the index).
     """
 
@@ -104,7 +104,7 @@ class PrefixStore:
             raise ValueError(f"disk_blocks={disk_blocks} needs a disk_dir")
         self.cfg, self.block_size = cfg, int(block_size)
         self.num_layers, self.width = cfg.num_hidden_layers, cfg.kv_latent_dim
-        self.dtype = np.dtype(dtype)
+        self.dtype = np.dtype(jnp.dtype(dtype))      # "bfloat16" etc. by name too
         self.device = device if device is not None else jax.devices()[0]
         self.clock = clock
         self.retention = dict(retention)

@@ -35,6 +35,9 @@ class SamplingParams:
 
 @dataclasses.dataclass
 class Request:
+    """One request in an engine: the prompt, its limits and sampling, the output so far and
+    its metrics (times in seconds since the engine's clock start)."""
+
     index: int
     prompt: list
     max_new_tokens: int
@@ -51,6 +54,7 @@ class Request:
     kv_bytes_sent: int = 0
     prefix_hit_tokens: int = 0
     kv_wait_s: float = 0.0
+    reserve_wait_s: float = 0.0        # arrival to the first KV reservation (back-pressure)
     prefill_attempts: int = 0
     prefix_errors: list = dataclasses.field(default_factory=list)
     prefill_worker: Optional[int] = None
@@ -70,7 +74,8 @@ class Request:
                 "tpot": tpot, "itl": [b - a for a, b in zip(t, t[1:])], "token_times": list(t),
                 "e2e": None if self.finish_time is None else self.finish_time - self.arrival,
                 "kv_bytes_sent": self.kv_bytes_sent, "prefix_hit_tokens": self.prefix_hit_tokens,
-                "kv_wait_s": self.kv_wait_s, "prefill_attempts": self.prefill_attempts,
+                "kv_wait_s": self.kv_wait_s, "reserve_wait_s": self.reserve_wait_s,
+                "prefill_attempts": self.prefill_attempts,
                 "prefix_errors": list(self.prefix_errors), "prefill_worker": self.prefill_worker,
                 "predicted_prefill_s": self.predicted_prefill_s, "prefill_chunks": list(self.prefill_chunks),
                 "handoff_timeouts": self.handoff_timeouts,

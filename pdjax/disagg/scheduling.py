@@ -83,15 +83,14 @@ def measure_link_bandwidth(src, dst, nbytes: int = 8 << 20, repeats: int = 3) ->
 
 class Signals:
     """The three DOPD signals, sampled every ``interval`` seconds of the decode loop:
-    prefill queue depth (arrived requests waiting for a prefill worker or for decode room), P95 decode KV-wait
-    of the requests admitted in the interval, and KV link utilisation (bytes that arrived in
-    the interval over interval x the measured link bandwidth)."""
+    prefill queue depth (``depth()``: arrived requests waiting for decode room or for a
+    prefill worker), P95 decode KV-wait of the requests admitted in the interval, and KV link
+    utilisation (bytes that arrived in the interval over interval x the link bandwidth)."""
 
     interval = 0.1
 
-    def __init__(self, engine, jobs, clock):
-        self.engine, self.jobs, self.clock = engine, jobs, clock
-        self.blocked = 0              # prefill workers holding a request the decode side has no room for
+    def __init__(self, link_bandwidth_Bps, depth, clock):
+        self.link_bandwidth_Bps, self.depth, self.clock = link_bandwidth_Bps, depth, clock
         self.rows: list[dict] = []
         self.bytes = 0
         self.kv_waits: list[float] = []
@@ -101,8 +100,8 @@ class Signals:
         t = self.clock.now()
         if t - self.t_last < self.interval:
             return
-        bw = self.engine.link_bandwidth_Bps
-        self.rows.append({"t": t, "prefill_queue_depth": sum(q.qsize() for q in self.jobs) + self.blocked,
+        bw = self.link_bandwidth_Bps
+        self.rows.append({"t": t, "prefill_queue_depth": self.depth(),
                           "decode_kv_wait_p95_s": float(np.percentile(self.kv_waits, 95)) if self.kv_waits else 0.0,
                           "link_utilisation": self.bytes / ((t - self.t_last) * bw) if bw else 0.0})
         self.bytes, self.kv_waits, self.t_last = 0, [], t

@@ -40,7 +40,6 @@ prompt is sent again, at most that long) or
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import json
 import math
@@ -58,8 +57,10 @@ from pdjax.disagg.launcher import (PrefillFaults, TwoProcessServer, announce_rea
 from pdjax.disagg.prefill import PrefillPool
 from pdjax.disagg.prefix_store import CorruptBlockError, MissingBlockError, PrefixStore
 from pdjax.disagg.request import Request, RequestError, SamplingParams, validate_request
+from pdjax.disagg.scheduler import (CancelPrefill, DecodeScheduler, Failed, Finished, LayerArrived, Ready, Started,
+                                    StartPrefill, Stepped, Submit, Tick, Token)
 from pdjax.disagg.transfer import Control, KVReceiver, KVSender, listen, start_transfer_server
-from pdjax.model.transformer import init_params, param_dtype
+from pdjax.model.transformer import init_params
 
 __all__ = ["DecodeServer", "PrefillServer", "TwoProcessServer", "build_parser", "launch_two_process", "main"]
 
@@ -80,7 +81,7 @@ class PrefillServer:
         self.pool = PrefillPool(params, cfg, _mesh_devices(mesh_axes), mesh_axes)
         self.store = None
         if prefix_cache is not None:
-            self.store = PrefixStore(cfg, block_size, dtype=param_dtype(params), device=self.pool.replicated,
+            self.store = PrefixStore(cfg, block_size, dtype=cfg.kv_cache_dtype, device=self.pool.replicated,
                                      **{"device_blocks": 0, "host_blocks": 256, **prefix_cache})
         self.sender = KVSender(start_transfer_server(jax.local_devices()))
         self.listener = listen()
@@ -189,18 +190,6 @@ class _Cancelled(Exception):
 
 
 # ---- decode role ---------------------------------------------------------------------------
-class _Handoff:
-    """One prefill attempt in flight: its reservation and the time of its last progress."""
-    def __init__(self, res, attempt: int, timeout_s: float):
-        self.res, self.attempt, self.timeout_s = res, attempt, timeout_s
-        self.last, self.layers = None, 0          # None: queued at prefill, not started
-
-    def deadline(self) -> float:
-        """No deadline while queued behind other attempts; then timeout_s after the start
-        and after each layer."""
-        return math.inf if self.last is None else self.last + self.timeout_s
-
-
 class DecodeServer:
     def __init__(self, params, cfg, mesh_axes: dict, *, slots: int, block_size: int, max_context: int,
                  num_blocks: int | None = None, max_prefill_attempts: int = 3, handoff_timeout_s: float = 30.0):
@@ -215,8 +204,8 @@ class DecodeServer:
         self.max_prefill_attempts = max_prefill_attempts
         self.handoff_timeout_s = handoff_timeout_s
         self.receiver: KVReceiver | None = None
-        self.handoffs: dict = {}                       # request -> _Handoff (KV arriving)
-        self.counters = {"handoff_timeouts": 0, "stale_messages": 0}
+        self.sched = DecodeScheduler(self.pool, max_prefill_attempts=max_prefill_attempts,
+                                     handoff_timeout_s=handoff_timeout_s)
 
     def serve_forever(self) -> None:
         announce_ready("decode", self.listener, self.server.address())
@@ -241,8 +230,8 @@ class DecodeServer:
 
     def _current(self, msg: dict):
         """The in-flight attempt ``msg`` belongs to, or None (an abandoned attempt's)."""
-        h = self.handoffs.get(msg["request"])
-        return h if h is not None and h.attempt == msg.get("attempt") else None
+        a = self.sched.attempts.get(msg["request"])
+        return a if a is not None and a.number == msg.get("attempt") else None
 
     def _read_prefill(self, prefill: Control) -> None:
         """Prefill messages in order; a layer of the current attempt is pulled here (onto the
@@ -251,54 +240,73 @@ class DecodeServer:
         try:
             while (msg := prefill.recv()) is not None:
                 msg["t"] = time.monotonic()
-                if msg["op"] == "layer" and (h := self._current(msg)) is not None:
-                    msg["rows"] = self.receiver.pull(msg, self.pool.target_device(h.res))
+                if msg["op"] == "layer" and (a := self._current(msg)) is not None:
+                    msg["rows"] = self.receiver.pull(msg, self.pool.target_device(a.res))
                 self.inbox.put(("prefill", msg))
             raise ConnectionError("the prefill process closed the control connection")
         except BaseException as e:  # noqa: BLE001 - the loop re-raises it
             self.inbox.put(("crashed", e))
 
+    def _event(self, msg: dict):
+        """The scheduler event of a prefill message (None: a layer of an abandoned attempt,
+        never pulled)."""
+        op, i, n, t = msg["op"], msg["request"], msg.get("attempt"), msg["t"]
+        if op == "started":
+            return Started(i, n, t)
+        if op == "layer":
+            return LayerArrived(i, n, msg["layer"], msg["rows"], msg.get("start", 0), msg["nbytes"], t) \
+                if "rows" in msg else None
+        if op == "ready":
+            return Ready(i, n, msg["first_token"], t, info={"prefix_hit_tokens": msg.get("prefix_hit_tokens", 0),
+                                                            "prefix_errors": list(msg.get("prefix_errors", []))})
+        return Failed(i, n, msg["error"], t, fatal=msg.get("fatal", False))
+
+    def _submit(self, msg: dict):
+        """A client's ``generate``: the Submit event, or the RequestError it fails with."""
+        req = Request(msg["request"], list(msg["prompt"]), msg["max_new_tokens"],
+                      stop_tokens=tuple(msg.get("stop_tokens", ())))
+        try:
+            req.sampling = SamplingParams(**msg.get("sampling", {}))
+            validate_request(req, self.cfg.vocab_size, self.max_context)
+            t = msg.get("handoff_timeout_s", self.handoff_timeout_s)
+            if not (isinstance(t, (int, float)) and t > 0):
+                raise RequestError(f"request {req.index}: handoff_timeout_s must be > 0, got {t!r}")
+        except RequestError as e:
+            req.error = e
+            return req
+        return Submit(req, time.monotonic(), timeout_s=t,
+                      options=(bool(msg.get("prefix_cache", True)), msg.get("retention", "chat")))
+
     def _loop(self, client: Control, prefill: Control) -> None:
-        pool = self.pool
-        waiting: collections.deque = collections.deque()   # validated, not yet reserved
-        timeout_of, timeouts = {}, collections.Counter()   # per request: deadline, times expired
+        """The driver of the scheduler in this process: client and prefill messages become
+        its events, its actions become messages."""
+        sched = self.sched
 
         def finish(req):
             out = {"op": "done", "request": req.index, "kv_bytes": req.kv_bytes_sent,
-                   "prefill_attempts": req.prefill_attempts, "handoff_timeouts": timeouts.pop(req.index, 0),
+                   "prefill_attempts": req.prefill_attempts, "handoff_timeouts": req.handoff_timeouts,
                    "prefix_hit_tokens": req.prefix_hit_tokens, "prefix_errors": list(req.prefix_errors)}
             out.update({"error": str(req.error)} if req.error else {"tokens": req.output})
-            timeout_of.pop(req.index, None)
             client.send(out)
 
-        def emit(req, tok) -> bool:
-            req.output.append(int(tok))
-            client.send({"op": "token", "request": req.index, "token": int(tok)})
-            if len(req.output) >= req.max_new_tokens or tok in req.stop_tokens:
-                finish(req)
-                return True
-            return False
-
-        retried = []
-
-        def retry(h: _Handoff, why: str, fatal: bool = False) -> None:
-            pool.cancel(h.res)
-            req = h.res.request
-            if fatal:                                  # bad input: retrying cannot help
-                req.error = RequestError(why)
-                finish(req)
-            elif req.prefill_attempts >= self.max_prefill_attempts:
-                req.error = RequestError(f"request {req.index}: prefill failed {req.prefill_attempts} times: {why}")
-                finish(req)
-            else:
-                req.kv_bytes_sent = 0
-                retried.append(req)
+        def carry(actions):
+            for a in actions:
+                if isinstance(a, StartPrefill):
+                    req, (use_store, retention) = a.attempt.request, a.attempt.options
+                    prefill.send({"op": "prefill", "request": req.index, "attempt": a.attempt.number,
+                                  "prompt": req.prompt, "prefix_cache": use_store, "retention": retention,
+                                  "sampling": dataclasses.asdict(req.sampling)})
+                elif isinstance(a, CancelPrefill):
+                    prefill.send({"op": "cancel", "request": a.request, "attempt": a.attempt})
+                elif isinstance(a, Token):
+                    client.send({"op": "token", "request": a.request.index, "token": a.token})
+                elif isinstance(a, Finished):
+                    finish(a.request)
 
         while True:
             wait = 0.0
-            if not pool.active:
-                nxt = min((h.deadline() for h in self.handoffs.values()), default=math.inf)
-                wait = min(1.0, max(0.01, nxt - time.monotonic()))
+            if not sched.running:
+                wait = min(1.0, max(0.01, sched.deadline() - time.monotonic()))
             msgs = []
             try:
                 msgs.append(self.inbox.get(timeout=wait) if wait else self.inbox.get_nowait())
@@ -316,70 +324,22 @@ class DecodeServer:
                     r = self.receiver
                     client.send({"op": "stats", "kv_bytes_received": r.bytes_received, "pulls": r.pulls,
                                  "pull_seconds": r.pull_seconds, "link_throughput_Bps": r.throughput_Bps,
-                                 **self.counters})
+                                 **sched.stats})
                 elif op == "generate":
-                    req = Request(msg["request"], list(msg["prompt"]), msg["max_new_tokens"],
-                                  stop_tokens=tuple(msg.get("stop_tokens", ())))
-                    try:
-                        req.sampling = SamplingParams(**msg.get("sampling", {}))
-                        validate_request(req, self.cfg.vocab_size, self.max_context)
-                        t = msg.get("handoff_timeout_s", self.handoff_timeout_s)
-                        if not (isinstance(t, (int, float)) and t > 0):
-                            raise RequestError(f"request {req.index}: handoff_timeout_s must be > 0, got {t!r}")
-                        timeout_of[req.index] = (t, bool(msg.get("prefix_cache", True)), msg.get("retention", "chat"))
-                        waiting.append(req)
-                    except RequestError as e:
-                        req.error = e
-                        finish(req)
-                elif op in ("started", "layer", "ready", "failed"):
-                    h = self._current(msg)
-                    if h is None:                      # an abandoned attempt's (or unknown)
-                        self.counters["stale_messages"] += 1
-                        continue
-                    req = h.res.request
-                    if op == "started":
-                        h.last = msg["t"]
-                        continue
-                    if op == "layer":
-                        pool.receive_layer(h.res, msg["layer"], msg["rows"], msg.get("start", 0))
-                        req.kv_bytes_sent += msg["nbytes"]
-                        h.last, h.layers = msg["t"], h.layers + 1
-                        continue
-                    del self.handoffs[req.index]
-                    if op == "failed":
-                        retry(h, msg["error"], msg.get("fatal", False))
-                        continue
-                    req.prefix_hit_tokens = msg.get("prefix_hit_tokens", 0)
-                    req.prefix_errors = list(msg.get("prefix_errors", []))
-                    if emit(req, msg["first_token"]):
-                        pool.cancel(h.res)
+                    ev = self._submit(msg)
+                    if isinstance(ev, Request):            # bad input: fails alone, before any compute
+                        finish(ev)
                     else:
-                        pool.admit(h.res, msg["first_token"])
-            now = time.monotonic()
-            for idx, h in list(self.handoffs.items()):  # attempts past their deadline: re-prefill
-                if now > h.deadline():
-                    del self.handoffs[idx]
-                    self.counters["handoff_timeouts"] += 1
-                    timeouts[idx] += 1
-                    prefill.send({"op": "cancel", "request": idx, "attempt": h.attempt})
-                    retry(h, f"handoff of attempt {h.attempt} made no progress for {h.timeout_s} s")
-            waiting.extendleft(reversed(retried))     # retries first, in their order
-            retried.clear()
-            while waiting:                             # pre-allocate, then ask for the prefill
-                res = pool.reserve(waiting[0])
-                if res is None:                        # full: back-pressure until a release
-                    break
-                req = waiting.popleft()
-                req.prefill_attempts += 1
-                t, use_store, retention = timeout_of[req.index]
-                self.handoffs[req.index] = _Handoff(res, req.prefill_attempts, t)
-                prefill.send({"op": "prefill", "request": req.index, "attempt": req.prefill_attempts,
-                              "prompt": req.prompt, "prefix_cache": use_store, "retention": retention,
-                              "sampling": dataclasses.asdict(req.sampling)})
-            if pool.active:
-                for slot, tok in pool.step().items():
-                    if emit(pool.slot_req[slot].request, tok):
-                        pool.release(slot)
+                        carry(sched.handle(ev))
+                elif op in ("started", "layer", "ready", "failed"):
+                    ev = self._event(msg)
+                    if ev is None:
+                        sched.stats["stale_messages"] += 1
+                    else:
+                        carry(sched.handle(ev))
+            carry(sched.handle(Tick(time.monotonic())))
+            if sched.running:
+                carry(sched.handle(Stepped(self.pool.step(), time.monotonic())))
 
 
 # ---- entry point of one role ---------------------------------------------------------------

@@ -42,6 +42,10 @@ def test_colocated_equals_generate_with_and_without_prefix_hits(tiny_cfg, tiny_p
     the shared 40-token prefix hits two blocks), the second hits every full block."""
     col = ColocatedEngine(tiny_params, tiny_cfg, devices=jax.devices()[:4], mesh={"expert": 4},
                           max_decode_slots=4, max_context=256, prefix_cache=True)
+    # the params are on the devices once: both pools use the same buffers
+    for a, b in zip(jax.tree.leaves(col.prefill.params), jax.tree.leaves(col.decode.params)):
+        assert [s.data.unsafe_buffer_pointer() for s in a.addressable_shards] == \
+            [s.data.unsafe_buffer_pointer() for s in b.addressable_shards]
     assert col.generate(prompts, max_new_tokens=5) == expected
     assert col.stats["kv_bytes_sent"] == 0
     assert [r["prefix_hit_tokens"] for r in col.stats["requests"]] == [0] * 7 + [32]
@@ -85,6 +89,11 @@ def test_full_decode_pool_applies_back_pressure(tiny_cfg, tiny_params, prompts, 
     want = [e for p, e in zip(prompts, expected) if len(p) + 5 <= 32]
     assert len(small) > 2
     assert eng.generate(small, max_new_tokens=5) == want
+    # the scheduler refused reservations while both ranks were full, and every request after
+    # the first two waited for a release before its prefill could start
+    assert eng.stats["pool_full"] > 0
+    waits = [r["reserve_wait_s"] for r in eng.stats["requests"]]
+    assert waits[:2] == [0.0, 0.0] and all(w > 0 for w in waits[2:]), waits
 
 
 def test_sampling_is_per_request_and_reproducible(pd, prompts):

@@ -1,0 +1,299 @@
+"""The decode side's scheduler: one state machine for every PD deployment.
+
+A request's life on the decode side: it *waits* until the decode pool can pre-allocate every
+KV block it will need (back-pressure: the pool is full), then a *prefill attempt* starts
+(``StartPrefill``: the driver hands it to a prefill worker, in this process or another);
+its layers *arrive* and are written into the reserved blocks; when the prefill is *ready*
+(all layers in, the first token sampled) the request joins the running batch, or finishes
+at once when one token was asked for; each decode step *emits* a token per running request;
+it *ends* when it has its tokens or meets a stop token. An attempt that *fails*, or makes no
+progress for ``handoff_timeout_s`` (``Tick``), is cancelled (its blocks freed, the prefill
+told to stop: ``CancelPrefill``) and the request is prefilled again ahead of later arrivals,
+up to ``max_prefill_attempts``; then it ends with a :class:`RequestError`, alone.
+
+Nothing here waits, sleeps, reads a clock or moves data: events carry their time (the
+driver's clock, so tests can drive time), and the scheduler answers each event with the
+actions the driver must carry out. The in-process engines (threads) and the two-process
+servers (sockets) are drivers of this one machine. Messages of an attempt that is no longer
+current (timed out, failed) are counted as stale and ignored.
+
+The pool is anything with ``reserve(request) -> reservation | None``, ``cancel(res)``,
+``receive_layer(res, layer, rows, start)``, ``admit(res, first_token) -> slot``,
+``release(slot)`` and ``slot_req`` (the reservation in each slot, or None), as
+:class:`pdjax.disagg.decode.DecodePool` has.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import Any, Optional
+
+from pdjax.disagg.request import Request, RequestError
+
+
+# ---- events (inputs) ---------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Submit:
+    """A validated request arrives (``timeout_s``: its handoff deadline, default the
+    scheduler's; ``options``: whatever the driver passes on to the prefill, e.g. prefix-cache
+    use)."""
+    request: Request
+    t: float
+    timeout_s: Optional[float] = None
+    options: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Started:
+    """The prefill began computing the attempt (its deadline starts)."""
+    request: int
+    attempt: int
+    t: float
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerArrived:
+    """One layer's latent rows for prompt positions ``start..start+len(rows)-1``, already on
+    the owning rank's device (``nbytes``: what crossed the link)."""
+    request: int
+    attempt: int
+    layer: int
+    rows: Any
+    start: int
+    nbytes: int
+    t: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Ready:
+    """Every layer was sent; ``first_token`` sampled by the prefill. ``info``: per-request
+    fields the prefill reports (``prefix_hit_tokens``, ``prefix_errors``)."""
+    request: int
+    attempt: int
+    first_token: int
+    t: float
+    info: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Failed:
+    """The attempt failed; ``fatal``: bad input, retrying cannot help."""
+    request: int
+    attempt: int
+    error: str
+    t: float
+    fatal: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Tick:
+    """Time passed: attempts past their deadline are abandoned."""
+    t: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Stepped:
+    """A decode step's new token per running slot."""
+    tokens: dict
+    t: float
+
+
+# ---- actions (outputs) -------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class StartPrefill:
+    """Prefill this attempt (its KV blocks are reserved on rank ``attempt.res.rank``)."""
+    attempt: "Attempt"
+
+
+@dataclasses.dataclass(frozen=True)
+class CancelPrefill:
+    """Stop computing this attempt (it was abandoned); its late messages will be ignored."""
+    request: int
+    attempt: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Admitted:
+    """The request joined the running batch in ``slot`` (``request.kv_wait_s``: how long its
+    blocks waited for the KV)."""
+    request: Request
+    slot: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Token:
+    request: Request
+    token: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    """The request ended: its tokens, or ``request.error``."""
+    request: Request
+
+
+@dataclasses.dataclass(eq=False)
+class Attempt:
+    """One prefill attempt: the reservation, when it was made, its progress."""
+    request: Request
+    number: int
+    res: Any
+    reserved_at: float
+    timeout_s: Optional[float]
+    options: Any = None
+    last: Optional[float] = None          # last progress (start, a layer); None: queued at prefill
+    layers: int = 0
+    bytes: int = 0
+
+    def deadline(self) -> float:
+        """No deadline while queued behind other attempts (or without a timeout); then
+        ``timeout_s`` after the start and after each layer."""
+        if self.timeout_s is None or self.last is None:
+            return math.inf
+        return self.last + self.timeout_s
+
+
+class DecodeScheduler:
+    """See the module docstring. ``handle(event) -> [actions]``; ``remaining``: requests
+    submitted and not ended; ``stats``: counters (``handoff_timeouts``, ``stale_messages``,
+    ``pool_full``: reservations refused for want of blocks or slots, i.e. back-pressure)."""
+
+    def __init__(self, pool, *, max_prefill_attempts: int = 3, handoff_timeout_s: Optional[float] = None):
+        if not isinstance(max_prefill_attempts, int) or max_prefill_attempts < 1:
+            raise ValueError(f"max_prefill_attempts must be a positive integer, got {max_prefill_attempts!r}")
+        if handoff_timeout_s is not None and not handoff_timeout_s > 0:
+            raise ValueError(f"handoff_timeout_s must be > 0 or None, got {handoff_timeout_s!r}")
+        self.pool = pool
+        self.max_prefill_attempts = max_prefill_attempts
+        self.handoff_timeout_s = handoff_timeout_s
+        self.waiting: collections.deque = collections.deque()   # (request, timeout_s, options), not reserved
+        self.attempts: dict[int, Attempt] = {}                   # request index -> current attempt
+        self.remaining = 0
+        self.stats = {"handoff_timeouts": 0, "stale_messages": 0, "pool_full": 0}
+        self._options: dict[int, tuple] = {}
+
+    # ---- the machine ---------------------------------------------------------------------
+    def handle(self, event) -> list:
+        out: list = []
+        kind = type(event)
+        if kind is Submit:
+            req = event.request
+            self.remaining += 1
+            self._options[req.index] = (event.timeout_s if event.timeout_s is not None else self.handoff_timeout_s,
+                                        event.options, event.t)
+            self.waiting.append(req)
+        elif kind is Tick:
+            self._expire(event.t, out)
+        elif kind is Stepped:
+            for slot, tok in event.tokens.items():
+                res = self.pool.slot_req[slot]
+                if self._emit(res.request, tok, event.t, out):
+                    self.pool.release(slot)
+        else:
+            self._progress(event, out)
+        self._reserve(event.t, out)
+        return out
+
+    def deadline(self) -> float:
+        """The earliest deadline of the attempts in flight (inf: none)."""
+        return min((a.deadline() for a in self.attempts.values()), default=math.inf)
+
+    @property
+    def running(self) -> bool:
+        return any(r is not None for r in self.pool.slot_req)
+
+    # ---- inside -----------------------------------------------------------------------------
+    def _current(self, event) -> Optional[Attempt]:
+        a = self.attempts.get(event.request)
+        if a is None or a.number != event.attempt:
+            self.stats["stale_messages"] += 1
+            return None
+        return a
+
+    def _progress(self, event, out: list) -> None:
+        a = self._current(event)
+        if a is None:
+            return
+        kind = type(event)
+        if kind is Started:
+            a.last = event.t
+        elif kind is LayerArrived:
+            self.pool.receive_layer(a.res, event.layer, event.rows, event.start)
+            a.request.kv_bytes_sent += event.nbytes
+            a.bytes += event.nbytes
+            a.last, a.layers = event.t, a.layers + 1
+        elif kind is Failed:
+            self._retry(a, event.error, event.t, out, fatal=event.fatal)
+        elif kind is Ready:
+            del self.attempts[event.request]
+            req = a.request
+            for k, v in (event.info or {}).items():
+                setattr(req, k, v)
+            if self._emit(req, event.first_token, event.t, out):
+                self.pool.cancel(a.res)
+            else:
+                slot = self.pool.admit(a.res, event.first_token)
+                req.kv_wait_s += event.t - a.reserved_at
+                out.append(Admitted(req, slot))
+        else:
+            raise TypeError(f"unknown scheduler event {event!r}")
+
+    def _expire(self, now: float, out: list) -> None:
+        for a in [a for a in self.attempts.values() if now > a.deadline()]:
+            self.stats["handoff_timeouts"] += 1
+            a.request.handoff_timeouts += 1
+            out.append(CancelPrefill(a.request.index, a.number))
+            self._retry(a, f"handoff of attempt {a.number} made no progress for {a.timeout_s:g} s "
+                           "(handoff timed out)", now, out)
+
+    def _retry(self, a: Attempt, why: str, now: float, out: list, fatal: bool = False) -> None:
+        del self.attempts[a.request.index]
+        self.pool.cancel(a.res)
+        req = a.request
+        if fatal:                                 # bad input: retrying cannot help
+            req.error = RequestError(why)
+        elif req.prefill_attempts >= self.max_prefill_attempts:
+            req.error = RequestError(f"request {req.index}: prefill/handoff failed {req.prefill_attempts} "
+                                     f"times: {why}")
+        req.kv_bytes_sent -= a.bytes              # counted for the attempt that completes only
+        if req.error is None:
+            self.waiting.appendleft(req)          # ahead of later arrivals
+            return
+        self._end(req, now, out)
+
+    def _reserve(self, now: float, out: list) -> None:
+        """Pre-allocate the KV blocks of waiting requests, in order, while the pool has room."""
+        while self.waiting:
+            res = self.pool.reserve(self.waiting[0])
+            if res is None:                        # full: back-pressure until a release
+                self.stats["pool_full"] += 1
+                return
+            req = self.waiting.popleft()
+            req.prefill_attempts += 1
+            timeout_s, options, submitted = self._options[req.index]
+            if req.prefill_attempts == 1:
+                req.reserve_wait_s = now - submitted
+            a = self.attempts[req.index] = Attempt(req, req.prefill_attempts, res, now, timeout_s, options)
+            out.append(StartPrefill(a))
+
+    def _emit(self, req: Request, tok: int, now: float, out: list) -> bool:
+        """Record a token; True when the request ended with it."""
+        tok = int(tok)
+        req.output.append(tok)
+        req.token_times.append(now)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        out.append(Token(req, tok))
+        if len(req.output) >= req.max_new_tokens or tok in req.stop_tokens:
+            self._end(req, now, out)
+            return True
+        return False
+
+    def _end(self, req: Request, now: float, out: list) -> None:
+        if req.error is None:
+            req.finish_time = now
+        self._options.pop(req.index, None)
+        self.remaining -= 1
+        out.append(Finished(req))

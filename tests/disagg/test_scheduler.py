@@ -1,0 +1,205 @@
+"""The decode scheduler as a state machine (no jax): random arrivals, prefill progress,
+failures, stale messages of abandoned attempts, timeouts and decode steps. Every request
+ends exactly once, tokens are never lost or duplicated, blocks are never leaked or freed
+twice, and a layer is never written into a cancelled or running reservation."""
+
+import math
+
+import pytest
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from pdjax.disagg.request import Request, RequestError
+from pdjax.disagg.scheduler import (CancelPrefill, DecodeScheduler, Failed, Finished, LayerArrived, Ready,
+                                    Started, StartPrefill, Stepped, Submit, Tick, Token)
+
+LAYERS, BLOCK, STOP = 3, 8, 99
+
+
+class FakeReservation:
+    def __init__(self, request, blocks):
+        self.request, self.blocks, self.layers = request, blocks, set()
+
+
+class FakePool:
+    """The pool protocol with strict bookkeeping: every misuse is an AssertionError."""
+
+    def __init__(self, slots: int, blocks: int):
+        self.free = set(range(blocks))
+        self.total = blocks
+        self.slot_req = [None] * slots
+        self.pending: list = []
+
+    def reserve(self, req):
+        need = math.ceil((len(req.prompt) + req.max_new_tokens) / BLOCK)
+        busy = sum(r is not None for r in self.slot_req) + len(self.pending)
+        if busy >= len(self.slot_req) or len(self.free) < need:
+            return None
+        blocks = sorted(self.free)[:need]
+        self.free -= set(blocks)
+        res = FakeReservation(req, blocks)
+        self.pending.append(res)
+        return res
+
+    def receive_layer(self, res, layer, rows, start):
+        assert res in self.pending, "a layer written into a reservation that is not pending"
+        assert rows == len(res.request.prompt) and start == 0
+        res.layers.add(layer)
+
+    def cancel(self, res):
+        assert res in self.pending, "cancel of a reservation that is not pending"
+        self.pending.remove(res)
+        assert not self.free & set(res.blocks), "blocks freed twice"
+        self.free |= set(res.blocks)
+
+    def admit(self, res, first_token):
+        assert res in self.pending and res.layers == set(range(LAYERS)), "admitted before every layer arrived"
+        self.pending.remove(res)
+        slot = self.slot_req.index(None)
+        self.slot_req[slot] = res
+        return slot
+
+    def release(self, slot):
+        res = self.slot_req[slot]
+        assert res is not None, "release of an empty slot"
+        assert not self.free & set(res.blocks), "blocks freed twice"
+        self.free |= set(res.blocks)
+        self.slot_req[slot] = None
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.pool = FakePool(slots=3, blocks=12)
+        self.s = DecodeScheduler(self.pool, max_prefill_attempts=3, handoff_timeout_s=5.0)
+        self.t = 0.0
+        self.requests: list[Request] = []
+        self.ended: dict[int, int] = {}             # request index -> Finished count
+        self.tokens: dict[int, list] = {}           # request index -> Token actions
+        self.flights: list = []                     # prefill side: [request, attempt, layers sent, cancelled]
+
+    def _do(self, event):
+        for a in self.s.handle(event):
+            if isinstance(a, StartPrefill):
+                self.flights.append([a.attempt.request.index, a.attempt.number, 0, False])
+            elif isinstance(a, CancelPrefill):
+                for f in self.flights:
+                    if f[:2] == [a.request, a.attempt]:
+                        f[3] = True                 # the prefill may still send late messages
+            elif isinstance(a, Token):
+                self.tokens.setdefault(a.request.index, []).append(a.token)
+            elif isinstance(a, Finished):
+                self.ended[a.request.index] = self.ended.get(a.request.index, 0) + 1
+
+    @rule(prompt=st.integers(1, 40), new=st.integers(1, 4))
+    def submit(self, prompt, new):
+        req = Request(len(self.requests), [1] * prompt, new, stop_tokens=(STOP,))
+        self.requests.append(req)
+        self._do(Submit(req, self.t))
+
+    @precondition(lambda self: self.flights)
+    @rule(data=st.data())
+    def prefill_progress(self, data):
+        f = data.draw(st.sampled_from(self.flights))
+        idx, n, sent, _ = f
+        what = data.draw(st.sampled_from(["started", "layer", "failed", "fatal"]))
+        if what == "started":
+            self._do(Started(idx, n, self.t))
+        elif what == "layer" and sent < LAYERS:
+            f[2] += 1
+            self._do(LayerArrived(idx, n, sent, len(self.requests[idx].prompt), 0, 10, self.t))
+            if f[2] == LAYERS:                       # all sent: the prefill is ready
+                self.flights.remove(f)
+                self._do(Ready(idx, n, data.draw(st.sampled_from([5, STOP])), self.t))
+        elif what in ("failed", "fatal"):
+            self.flights.remove(f)
+            self._do(Failed(idx, n, "link dropped", self.t, fatal=what == "fatal"))
+
+    @rule(dt=st.floats(0.0, 8.0))
+    def tick(self, dt):
+        self.t += dt
+        self._do(Tick(self.t))
+
+    @precondition(lambda self: self.s.running)
+    @rule(data=st.data())
+    def step(self, data):
+        toks = {s: data.draw(st.sampled_from([7, STOP])) for s, r in enumerate(self.pool.slot_req) if r is not None}
+        self._do(Stepped(toks, self.t))
+
+    @invariant()
+    def each_request_ends_at_most_once_and_blocks_balance(self):
+        assert all(c == 1 for c in self.ended.values()), "a request ended twice"
+        assert self.s.remaining == len(self.requests) - len(self.ended)
+        held = sum(len(r.blocks) for r in self.pool.pending) + sum(len(r.blocks) for r in self.pool.slot_req if r)
+        assert held + len(self.pool.free) == self.pool.total, "blocks lost"
+        # the pool holds exactly the reservations of the attempts in flight and of running requests
+        assert {id(a.res) for a in self.s.attempts.values()} == {id(r) for r in self.pool.pending}, "blocks leaked"
+        assert all(r.request.index not in self.ended for r in self.pool.slot_req if r), "an ended request holds a slot"
+
+    @invariant()
+    def tokens_are_neither_lost_nor_duplicated(self):
+        for req in self.requests:
+            assert self.tokens.get(req.index, []) == req.output
+            if req.index in self.ended:
+                if req.error is None:
+                    assert len(req.output) == req.max_new_tokens or req.output[-1] == STOP
+                else:
+                    assert isinstance(req.error, RequestError)
+            else:
+                assert req.error is None and len(req.output) < req.max_new_tokens
+
+
+SchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+TestScheduler = SchedulerMachine.TestCase
+
+
+def test_scheduler_drains_every_request():
+    """Driven to the end (every prefill succeeds after one failure and one timeout): every
+    request ends once with its tokens and every block is free again."""
+    pool = FakePool(slots=2, blocks=10)
+    s = DecodeScheduler(pool, max_prefill_attempts=3, handoff_timeout_s=1.0)
+    reqs = [Request(i, [1] * (5 + 7 * i), 3) for i in range(5)]
+    t, flights, ended = 0.0, [], []
+
+    def do(ev):
+        for a in s.handle(ev):
+            if isinstance(a, StartPrefill):
+                flights.append((a.attempt.request.index, a.attempt.number))
+            elif isinstance(a, Finished):
+                ended.append(a.request.index)
+    for r in reqs:
+        do(Submit(r, t))
+    assert len(flights) == 2 and len(s.waiting) == 3          # back-pressure: two slots
+    for _ in range(200):                                           # bounded: a stuck machine fails
+        if not s.remaining:
+            break
+        t += 0.1
+        if flights:
+            idx, n = flights.pop(0)
+            if n == 1 and idx == 0:
+                do(Failed(idx, n, "link dropped", t))
+                continue
+            do(Started(idx, n, t))
+            if n == 1 and idx == 1:                                # stalls past the deadline
+                t += 2.0
+                do(Tick(t))
+                do(LayerArrived(idx, n, 0, len(reqs[idx].prompt), 0, 10, t))   # late: stale
+                continue
+            for layer in range(LAYERS):
+                do(LayerArrived(idx, n, layer, len(reqs[idx].prompt), 0, 10, t))
+            do(Ready(idx, n, 5, t))
+        if s.running:
+            do(Stepped({k: 7 for k, r in enumerate(pool.slot_req) if r is not None}, t))
+    assert sorted(ended) == list(range(5)) and len(pool.free) == 10
+    assert all(r.output == [5, 7, 7] and r.error is None for r in reqs)
+    assert [r.prefill_attempts for r in reqs] == [2, 2, 1, 1, 1]
+    assert reqs[1].handoff_timeouts == 1 and s.stats["handoff_timeouts"] == 1 and s.stats["stale_messages"] == 1
+    assert s.stats["pool_full"] > 0 and [r.reserve_wait_s > 0 for r in reqs] == [False, False, True, True, True]
+    assert [r.kv_bytes_sent for r in reqs] == [10 * LAYERS] * 5          # the completing attempt's only
+
+
+def test_scheduler_bad_arguments():
+    with pytest.raises(ValueError, match="max_prefill_attempts"):
+        DecodeScheduler(FakePool(1, 1), max_prefill_attempts=0)
+    with pytest.raises(ValueError, match="handoff_timeout_s"):
+        DecodeScheduler(FakePool(1, 1), handoff_timeout_s=0)
