@@ -1,11 +1,12 @@
-# Two entry points, both working on a fresh machine with only Python and pip:
+# Entry points, all working on a fresh machine with only Python and pip:
 #   make demo   -- create .venv if missing, install pdjax, run the quick start experiment
 #   make test   -- same venv, run the test suite (8 simulated CPU devices)
+#   make docs   -- regenerate docs/api.md, docs/reproductions.md and docs/figures/*.png
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench docs clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +22,11 @@ test: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done
+
+docs: $(VENV)/.installed
+	$(PY) docs/make_api.py
+	$(PY) docs/make_reproductions.py
+	$(PY) docs/figures/make_figures.py
 
 clean:
 	rm -rf runs .jax_cache

@@ -87,6 +87,8 @@ PRESETS = {"tiny": tiny, "small": small, "deepseek_v2_lite": deepseek_v2_lite,
 
 
 def preset(name: str, **overrides) -> ModelConfig:
+    """The preset called ``name`` ("tiny", "small", "deepseek_v2_lite", "deepseek_v2",
+    "deepseek_v3"), with ``overrides`` applied; an unknown name raises ValueError."""
     try:
         return PRESETS[name](**overrides)
     except KeyError:

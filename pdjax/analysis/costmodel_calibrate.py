@@ -4,10 +4,10 @@ Decode (:func:`calibrate_decode`, :func:`measure_decode`) is described there; th
 this docstring is the prefill protocol.
 
 For each shape (q, c) a cache of ``c + q`` positions is filled with a real prefix of c
-tokens (chunked prefill in chunks of q, so the prefix reuses the program being timed,
-which also warms it up), then a chunk of q new tokens is timed continuing from it
-(``pdjax.prefill(..., cache=...)``, ``jax.block_until_ready``). The timed call gets a fresh
-copy of the filled cache each time (the cache is donated). Compilation and warm-up are
+tokens (chunked prefill in chunks of q), then a chunk of q new tokens is timed continuing
+from it (``pdjax.prefill(..., cache=...)``, ``jax.block_until_ready``). The timed call gets
+a fresh copy of the filled cache each time (the cache is donated); one untimed call on such
+a copy first compiles and warms exactly the timed program. Compilation and warm-up are
 excluded; repeats are interleaved over the shapes in a shuffled order, so a burst of
 load from other processes spreads over all shapes instead of biasing one; each shape's
 time is the median (or, on request, the min) of its repeats.
@@ -157,15 +157,16 @@ def measure_prefill(params, cfg, shapes: Sequence[tuple[int, int]], repeats: int
     prepared = []
     for q, c in shapes:
         cache = init_cache(cfg, batch, q + c, param_dtype(params))
-        done, warm = 0, False
-        while done < c:                  # the prefix, in chunks of q (the timed program)
+        done = 0
+        while done < c:                  # the prefix, in chunks of q
             n = min(q, c - done)
             _, cache = pdjax.prefill(params, cfg, tokens(n), cache=cache)
-            done, warm = done + n, warm or n == q
+            done += n
         cache = jax.block_until_ready(cache)
         chunk = tokens(q)
-        if not warm:                     # compile + warm-up, excluded from the timings
-            jax.block_until_ready(pdjax.prefill(params, cfg, chunk, cache=fresh(cache)))
+        # compile + warm-up on exactly what is timed (a copy of the filled cache: the fill's
+        # own calls may have compiled for other placements, e.g. params on a mesh)
+        jax.block_until_ready(pdjax.prefill(params, cfg, chunk, cache=fresh(cache)))
         prepared.append(((q, c), cache, chunk))
 
     times = {shape: [] for shape in shapes}

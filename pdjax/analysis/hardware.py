@@ -23,6 +23,7 @@ from typing import Optional, Union
 
 from pdjax.analysis.units import GB, TB, check_positive
 
+#: The numeric fields of a HardwareSpec (each may carry a source note).
 FIGURES = ("peak_bf16_flops", "peak_fp8_flops", "hbm_bytes", "hbm_bw", "scale_up_bw", "scale_out_bw")
 DTYPES = {"bf16": ("peak_bf16_flops", 2), "fp8": ("peak_fp8_flops", 1)}
 _DTYPE_ALIASES = {"bfloat16": "bf16", "fp16": "bf16", "float16": "bf16", "float8": "fp8",
@@ -146,6 +147,7 @@ def hardware(name: HardwareLike) -> HardwareSpec:
 
 
 def hardware_names() -> list[str]:
+    """Sorted names of every registered hardware spec (the presets and your own)."""
     return sorted(_REGISTRY)
 
 
@@ -232,4 +234,5 @@ _PRESETS = [
 
 for _spec in _PRESETS:
     register_hardware(_spec)
+#: Names of the built-in hardware presets (h100-sxm, h800, h200, a100, mi300x, gb200, ascend-910c).
 PRESET_NAMES = tuple(_key(s.name) for s in _PRESETS)

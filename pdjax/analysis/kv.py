@@ -29,6 +29,7 @@ from pdjax.analysis.units import (check_nonnegative, check_positive, check_posit
                                   unit_bytes)
 from pdjax.config import ModelConfig
 
+#: Attention kinds the KV accounting knows: "mla", "mha", "gqa" (needs num_kv_groups), "mqa".
 ATTENTION_KINDS = ("mla", "mha", "gqa", "mqa")
 
 

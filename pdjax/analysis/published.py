@@ -46,6 +46,7 @@ class ServingDeployment:
         return self.decode_nodes * self.gpus_per_node
 
 
+#: DeepSeek-V3/R1 production serving: EP32 prefill / EP144 decode on H800, fp8 weights, mean KV 4,989.
 DEEPSEEK_V3_SERVING = ServingDeployment(
     name="DeepSeek-V3/R1 production (Feb 2025)", hardware="h800", gpus_per_node=8,
     prefill_nodes=4, prefill_ep=32, prefill_routed_per_gpu=9,
@@ -67,6 +68,7 @@ class AFDSpeedupExample:
     source: str = ""
 
 
+#: The FastAFD speedup decomposition: batch gain 1.50 x step-time gain 1.15 x M/(M+N) 0.85.
 FASTAFD_EXAMPLE = AFDSpeedupExample(
     batch_gain=1.50, step_time_gain=1.15, attention_share=0.85,
     source=("vLLM AFD Plugin / FastAFD talk (Chinese write-up of the vLLM AFD/FastAFD "
@@ -85,6 +87,7 @@ class MoEExample:
     source: str = ""
 
 
+#: MegaScale-Infer's MoE example: 8 experts, top-2, on A100.
 MEGASCALE_INFER_EXAMPLE = MoEExample(
     n_routed_experts=8, num_experts_per_tok=2, hardware="a100",
     source="MegaScale-Infer (arXiv 2504.02263) sec. 2: 8 experts, top-2, on A100 (312 TFLOPS / 2 TB/s)",
@@ -103,6 +106,7 @@ class DecodeBatchMeasurement:
     source: str = ""
 
 
+#: Colocated Qwen3-235B decode on GB200: per-rank KV capacity and the measured MoE MFU at 2K context.
 QWEN3_GB200_COLOCATED = DecodeBatchMeasurement(
     model="Qwen3-235B-A22B-FP8", hardware="gb200", kv_token_capacity=808_704,
     context_len=2 * 1024, moe_mfu=0.28,

@@ -23,7 +23,9 @@ UNITS: dict[str, int | float] = {
     "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
 }
 
+#: Decimal byte units (vendors' HBM and link labels): KB = 1e3 ... TB = 1e12 bytes.
 KB, MB, GB, TB = 1e3, 1e6, 1e9, 1e12
+#: Binary byte units: KiB = 2**10 ... TiB = 2**40 bytes.
 KiB, MiB, GiB, TiB = 2**10, 2**20, 2**30, 2**40
 
 

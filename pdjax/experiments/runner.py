@@ -39,6 +39,7 @@ class Experiment:
 
 
 _SERVING = "pdjax.experiments.serving"
+#: Experiment kind (a config's ``kind``) -> where its config schema and runner live.
 EXPERIMENTS: dict[str, Experiment] = {
     "quickstart": Experiment("pdjax.experiments.quickstart", "CONFIG", "run_quickstart", "check_config"),
     "bubble_sweep": Experiment("pdjax.experiments.bubble_sweep", "Config", "run_bubble_sweep"),

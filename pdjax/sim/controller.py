@@ -32,6 +32,10 @@ from pdjax.analysis.units import check_positive
 
 @dataclasses.dataclass(frozen=True)
 class ControllerConfig:
+    """Thresholds of the dynamic P:D controller (module docstring): tick ``interval`` (s),
+    ``queue_factor``, ``kv_wait_fraction`` of TPOT, ``link_util_limit``, the running-mean
+    ``window`` (ticks), ``cooldown`` (s) between moves, pool minimums, ``growth_ticks``."""
+
     interval: float = 1.0
     queue_factor: float = 2.0
     kv_wait_fraction: float = 0.2
@@ -51,6 +55,10 @@ class ControllerConfig:
 
 
 class PDController:
+    """The controller a PD simulation runs when its deployment has a ``controller``: it
+    reads the three signals every ``interval`` and drains and moves instances; decisions in
+    ``actions`` as (time, action, reason)."""
+
     def __init__(self, config: ControllerConfig):
         self.cfg = config
         self.depths: list[int] = []

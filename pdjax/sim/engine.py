@@ -72,6 +72,10 @@ class SimResult:
 
 
 class Simulator:
+    """One simulation of ``requests`` through ``deployment`` with step times from ``cost``
+    (``prefix_cache``, ``slo``, ``horizon``, ``max_wait`` optional); ``run()`` returns a
+    :class:`SimResult`. :func:`simulate` is the one-call form."""
+
     SESSION_MEMO = 4096       # sessions whose last context chain is kept for the next turn
     def __init__(self, deployment, cost, requests: Sequence, *, prefix_cache: Optional[PrefixCache] = None,
                  slo: Optional[SLO] = None, horizon: Optional[float] = None,

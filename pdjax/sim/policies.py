@@ -21,6 +21,7 @@ import bisect
 import math
 from typing import Callable, Optional, Sequence
 
+#: Prefill length-bucket edges in tokens: <16K, 16-64K, 64-256K, >=256K.
 DEFAULT_BUCKET_EDGES = (16 * 1024, 64 * 1024, 256 * 1024)
 
 
