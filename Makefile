@@ -1,6 +1,6 @@
 # Entry points, all working on a fresh machine with only Python and pip:
 #   make demo   -- create .venv if missing, install pdjax, run the quick start experiment
-#   make test   -- same venv, run the test suite (8 simulated CPU devices)
+#   make test   -- same venv, run the test suite (2 workers, each with 8 simulated CPU devices)
 #   make docs   -- regenerate docs/api.md, docs/reproductions.md and docs/figures/*.png
 PYTHON ?= python3
 VENV ?= .venv
@@ -18,7 +18,7 @@ demo: $(VENV)/.installed
 	$(PY) -m pdjax run experiments/quickstart.toml
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 bench: $(VENV)/.installed
 	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done

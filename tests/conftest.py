@@ -13,7 +13,7 @@ import jax  # noqa: E402
 
 jax.config.update("jax_compilation_cache_dir",
                   os.path.join(os.path.dirname(os.path.dirname(__file__)), ".jax_cache"))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_default_matmul_precision", "highest")
 
 import pytest  # noqa: E402
