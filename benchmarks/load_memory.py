@@ -40,10 +40,8 @@ MiB = 2 ** 20
 def write_checkpoint(path: str, args) -> int:
     """A random checkpoint of ``expected_tensors(cfg)``, ~100 MiB per file. Returns its bytes."""
     import numpy as np
-    from safetensors.numpy import save_file
-
     import pdjax
-    from pdjax.model.hf import expected_tensors
+    from pdjax.model.hf import expected_tensors, write_safetensors
 
     cfg = pdjax.configs.small(n_routed_experts=args.experts, num_hidden_layers=args.layers, n_group=8,
                               topk_group=4, moe_intermediate_size=args.expert_width)
@@ -51,23 +49,10 @@ def write_checkpoint(path: str, args) -> int:
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg.to_hf_dict(), f)
     rng = np.random.default_rng(0)
-    shards, cur, size, total = [], {}, 0, 0
-    for name, shape in expected_tensors(cfg).items():
-        t = (rng.standard_normal(shape, np.float32) * 0.02).astype(np.float32)
-        if cur and size + t.nbytes > 100 * MiB:
-            shards.append(cur)
-            cur, size = {}, 0
-        cur[name] = t
-        size += t.nbytes
-        total += t.nbytes
-    shards.append(cur)
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        fn = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(path, fn))
-        weight_map.update({n: fn for n in shard})
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"weight_map": weight_map}, f)
+    tensors = {name: (rng.standard_normal(shape, np.float32) * 0.02).astype(np.float32)
+               for name, shape in expected_tensors(cfg).items()}
+    write_safetensors(path, tensors, max_shard_bytes=100 * MiB)
+    total = sum(t.nbytes for t in tensors.values())
     return total
 
 

@@ -379,12 +379,17 @@ def load_hf(path: str, dtype=None, *, mesh=None, rules=None):
 def save_hf(path: str, params, cfg: ModelConfig, max_shard_bytes: int | None = None) -> None:
     """Write params as a HF checkpoint (config.json + safetensors, sharded with an index
     when ``max_shard_bytes`` is given)."""
-    from safetensors.numpy import save_file
-
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg.to_hf_dict(), f, indent=2)
-    tensors = params_to_tensors(cfg, params)
+    write_safetensors(path, params_to_tensors(cfg, params), max_shard_bytes)
+
+
+def write_safetensors(path: str, tensors: dict, max_shard_bytes: int | None = None) -> None:
+    """Write ``{name: numpy array}`` as ``model.safetensors``, or, with ``max_shard_bytes``,
+    as numbered shards of at most that size plus ``model.safetensors.index.json``."""
+    from safetensors.numpy import save_file
+
     if max_shard_bytes is None:
         save_file(tensors, os.path.join(path, "model.safetensors"))
         return
