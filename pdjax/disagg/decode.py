@@ -5,7 +5,8 @@ Handoff protocol (decode side): ``reserve`` picks a DP rank and pre-allocates ev
 the request will need (prompt + max_new_tokens) before the prefill starts; ``receive_layer``
 writes each layer's latent rows into those blocks as they arrive; ``admit`` joins the
 request to the running batch once all layers are in; ``release`` frees its blocks when it
-finishes. Requests join and leave between steps.
+finishes. Requests join and leave between steps. One thread drives a pool (the decode
+scheduler's driver); prefill workers only read ``target_device``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -82,7 +82,6 @@ class DecodePool:
         self.slot_req: list[Reservation | None] = [None] * slots
         self.kv_len = np.zeros(slots, np.int64)               # host mirror, for balancing
         self.last_token = np.zeros(slots, np.int32)
-        self.lock = threading.Condition()
         self.pending: list[Reservation] = []             # reserved, KV still arriving
 
     # ---- handoff ------------------------------------------------------------------------
@@ -97,20 +96,19 @@ class DecodePool:
         and enough blocks, and pre-allocate them. None = the pool is full (back-pressure)."""
         need = self.alloc.blocks_for(len(req.prompt) + req.max_new_tokens)
         per = self.slots // self.ranks
-        with self.lock:
-            reserved = [sum(1 for r in self.pending if r.rank == k) for k in range(self.ranks)]
-            candidates = []
-            for k in range(self.ranks):
-                running, kv = self.rank_load(k)
-                if running + reserved[k] < per and self.alloc.available(k) >= need:
-                    key = (kv, running) if len(req.prompt) >= long_threshold else (running + reserved[k], kv)
-                    candidates.append((key, k))
-            if not candidates:
-                return None
-            rank = min(candidates)[1]
-            res = Reservation(req, rank, self.alloc.allocate(rank, need))
-            self.pending.append(res)
-            return res
+        reserved = [sum(1 for r in self.pending if r.rank == k) for k in range(self.ranks)]
+        candidates = []
+        for k in range(self.ranks):
+            running, kv = self.rank_load(k)
+            if running + reserved[k] < per and self.alloc.available(k) >= need:
+                key = (kv, running) if len(req.prompt) >= long_threshold else (running + reserved[k], kv)
+                candidates.append((key, k))
+        if not candidates:
+            return None
+        rank = min(candidates)[1]
+        res = Reservation(req, rank, self.alloc.allocate(rank, need))
+        self.pending.append(res)
+        return res
 
     def target_device(self, res: Reservation):
         return self.rank_devices[res.rank]
@@ -140,11 +138,9 @@ class DecodePool:
         res.rows_received[layer] += T
 
     def cancel(self, res: Reservation) -> None:
-        with self.lock:
-            if res in self.pending:
-                self.pending.remove(res)
-                self.alloc.release(res.rank, res.blocks)
-                self.lock.notify_all()
+        if res in self.pending:
+            self.pending.remove(res)
+            self.alloc.release(res.rank, res.blocks)
 
     def admit(self, res: Reservation, first_token: int) -> int:
         """Join the running batch (all layers arrived). Returns the slot."""
@@ -158,9 +154,8 @@ class DecodePool:
         bt, lens = _set_slot(self.cache.block_tables, self.cache.lengths, slot, jnp.asarray(row),
                              len(res.request.prompt))
         self.cache = dataclasses.replace(self.cache, block_tables=bt, lengths=lens)
-        with self.lock:
-            self.pending.remove(res)
-            self.slot_req[slot] = res
+        self.pending.remove(res)
+        self.slot_req[slot] = res
         self.kv_len[slot] = len(res.request.prompt)
         self.last_token[slot] = first_token
         return slot
@@ -170,10 +165,8 @@ class DecodePool:
         bt, lens = _set_slot(self.cache.block_tables, self.cache.lengths, slot,
                              jnp.zeros(self.blocks_per_slot, jnp.int32), 0)
         self.cache = dataclasses.replace(self.cache, block_tables=bt, lengths=lens)
-        with self.lock:
-            self.slot_req[slot] = None
-            self.alloc.release(res.rank, res.blocks)
-            self.lock.notify_all()
+        self.slot_req[slot] = None
+        self.alloc.release(res.rank, res.blocks)
         self.kv_len[slot] = 0
 
     # ---- decoding -----------------------------------------------------------------------

@@ -269,8 +269,8 @@ class PDEngine:
         jobs = [queue.Queue() for _ in self.prefills]
         sched = DecodeScheduler(self.decode, max_prefill_attempts=self.max_prefill_attempts,
                                 handoff_timeout_s=self.handoff_timeout_s)
-        self._signals = signals = Signals(self.link_bandwidth_Bps,
-                                          lambda: sum(q.qsize() for q in jobs) + len(sched.waiting), clock)
+        signals = Signals(self.link_bandwidth_Bps,
+                          lambda: sum(q.qsize() for q in jobs) + len(sched.waiting), clock)
         threads = [threading.Thread(target=self._prefill_loop, args=(pool, q, inbox, clock, stop, cancelled),
                                     daemon=True) for pool, q in zip(self.prefills, jobs)]
         for t in threads:

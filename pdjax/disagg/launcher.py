@@ -34,6 +34,28 @@ def announce_ready(role: str, listener, transfer_address: str) -> None:
                                     "pid": os.getpid()}), flush=True)
 
 
+def child_env(device_count: int, extra: dict | None = None) -> dict:
+    """The environment of a child jax process: this one's, on the CPU platform with
+    ``device_count`` devices, this checkout importable, then ``extra``."""
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={device_count}"])
+    env["JAX_PLATFORMS"] = "cpu"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env.update(extra or {})
+    return env
+
+
+def file_tail(path: str, chars: int) -> str:
+    """The last ``chars`` characters of a (log) file; "" when it cannot be read."""
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-chars:]
+    except OSError:
+        return ""
+
+
 def exit_when_orphaned() -> None:
     """Child side: exit at once when the launcher's stdin pipe closes (the launcher is gone)."""
     def watch():
@@ -148,13 +170,7 @@ class TwoProcessServer:
 
     # ---- processes -----------------------------------------------------------------------
     def _spawn(self, role: str) -> None:
-        env = dict(os.environ)
-        flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-        env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={self._devices[role]}"])
-        env["JAX_PLATFORMS"] = "cpu"
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        env.update(self._env)
+        env = child_env(self._devices[role], self._env)
         log = open(os.path.join(self._log_dir, f"{role}.log"), "ab")
         proc = subprocess.Popen([sys.executable, "-m", "pdjax", "serve", "--role", role, *self._argv[role]],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env)
@@ -231,11 +247,7 @@ class TwoProcessServer:
         return reply
 
     def log_tail(self, role: str, chars: int = 4000) -> str:
-        try:
-            with open(os.path.join(self._log_dir, f"{role}.log"), errors="replace") as f:
-                return f.read()[-chars:]
-        except OSError:
-            return ""
+        return file_tail(os.path.join(self._log_dir, f"{role}.log"), chars)
 
     def _restart_decode(self) -> None:
         if self._decode_ctl is not None:

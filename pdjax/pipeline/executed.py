@@ -152,20 +152,11 @@ def measure_executor(ex, params, tokens, *, repeats: int = 3, op_repeats: int = 
     ex.compile(params, tokens.shape)
     ex.step(params, tokens)                                   # warm-up: first dispatches, allocations
     op_costs = ex.measure_ops(params, tokens, repeats=op_repeats)
-    runs = []
-    for _ in range(repeats):
+
+    def step():
         ex.step(params, tokens)
-        runs.append((ex.last_timeline, np.asarray(ex.last_memory, dtype=float).copy()))
-    order = sorted(range(repeats), key=lambda i: runs[i][0].makespan)
-    measured, peak = runs[order[(repeats - 1) // 2]]
-    costs = op_costs.simulate_kwargs()
-    simulated = simulate(ex.schedule, **costs, memory=ex.stage_memory)
-    inrun = simulate(ex.schedule, **op_costs_from_timeline(measured).simulate_kwargs())
-    row = _row(ex.schedule, tokens.shape, measured, peak, simulated, costs, op_costs,
-               [r[0].makespan for r in runs])
-    return dataclasses.replace(row, inrun_simulated_makespan_ms=float(inrun.makespan),
-                               inrun_makespan_error=float(inrun.makespan / measured.makespan - 1),
-                               contention=float(measured.busy.sum() / simulated.busy.sum()))
+        return ex.last_timeline, ex.last_memory, 0.0
+    return _measured_row(ex.schedule, tokens.shape, step, repeats, op_costs, ex.stage_memory)
 
 
 def measure_processes(rp, tokens, *, repeats: int = 3, op_repeats: int = 3) -> ExecutedRow:
@@ -173,27 +164,38 @@ def measure_processes(rp, tokens, *, repeats: int = 3, op_repeats: int = 3) -> E
     also gets the measured link latency (``rp.comm_ms``, from the isolated runs)."""
     repeats = _positive_int("repeats", repeats)
     op_repeats = _positive_int("op_repeats", op_repeats)
-    tokens = np.asarray(rp._ex.check_batch(tokens))
+    tokens = rp.check_batch(tokens)
     rp.compile(tokens.shape)
     rp.step(tokens)                                           # warm-up: first dispatches, allocations
     op_costs = rp.measure_ops(tokens, repeats=op_repeats)
-    runs = []
-    for _ in range(repeats):
+
+    def step():
         rp.step(tokens)
         links = [t["latency"] for t in rp.transfers]
-        runs.append((rp.last_timeline, np.asarray(rp.last_memory, dtype=float).copy(),
-                     float(np.median(links)) if links else 0.0))
+        return rp.last_timeline, rp.last_memory, float(np.median(links)) if links else 0.0
+    return _measured_row(rp.schedule, tokens.shape, step, repeats, op_costs, rp.stage_memory,
+                         comm_ms=rp.comm_ms, mode="processes")
+
+
+def _measured_row(schedule, shape, step, repeats: int, op_costs, stage_memory, *, comm_ms: float = 0.0,
+                  mode: str = "threads") -> ExecutedRow:
+    """Run ``repeats`` measured steps (``step() -> (timeline, peak bytes per rank, in-run link
+    ms)``), keep the median-makespan one, and put it beside the simulation fed with the
+    isolated ``op_costs`` (and ``comm_ms``) and beside the one fed with its own op times."""
+    runs = []
+    for _ in range(repeats):
+        timeline, peak, link = step()
+        runs.append((timeline, np.asarray(peak, dtype=float).copy(), link))
     order = sorted(range(repeats), key=lambda i: runs[i][0].makespan)
     measured, peak, inrun_comm = runs[order[(repeats - 1) // 2]]
     costs = op_costs.simulate_kwargs()
-    simulated = simulate(rp.schedule, **costs, comm=rp.comm_ms, memory=rp.stage_memory)
-    inrun = simulate(rp.schedule, **op_costs_from_timeline(measured).simulate_kwargs(), comm=inrun_comm)
-    row = _row(rp.schedule, tokens.shape, measured, peak, simulated, costs, op_costs,
-               [r[0].makespan for r in runs])
+    simulated = simulate(schedule, **costs, comm=comm_ms, memory=stage_memory)
+    inrun = simulate(schedule, **op_costs_from_timeline(measured).simulate_kwargs(), comm=inrun_comm)
+    row = _row(schedule, shape, measured, peak, simulated, costs, op_costs, [r[0].makespan for r in runs])
     return dataclasses.replace(row, inrun_simulated_makespan_ms=float(inrun.makespan),
                                inrun_makespan_error=float(inrun.makespan / measured.makespan - 1),
                                contention=float(measured.busy.sum() / simulated.busy.sum()),
-                               mode="processes", comm_ms=float(rp.comm_ms))
+                               mode=mode, comm_ms=float(comm_ms))
 
 
 def formula_bubble(name: str, num_stages: int, costs: dict, mean_busy: float) -> tuple[float, float, bool, str]:

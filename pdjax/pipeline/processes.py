@@ -141,19 +141,13 @@ class RankProcesses:
     def _spawn(self, r: int, extra_env) -> None:
         import jax
 
-        env = dict(os.environ)
-        flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-        env["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=1"])
-        env["JAX_PLATFORMS"] = "cpu"
-        # the parent's numerics and compilation cache
-        for name in ("jax_default_matmul_precision", "jax_compilation_cache_dir",
-                     "jax_persistent_cache_min_compile_time_secs"):
-            value = getattr(jax.config, name, None)
-            if value is not None:
-                env[name.upper()] = str(value)
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        env.update(extra_env or {})
+        from pdjax.disagg.launcher import child_env
+
+        # the parent's numerics and compilation cache, then the caller's extra environment
+        config = {name.upper(): str(value) for name in ("jax_default_matmul_precision", "jax_compilation_cache_dir",
+                                                        "jax_persistent_cache_min_compile_time_secs")
+                  if (value := getattr(jax.config, name, None)) is not None}
+        env = child_env(1, {**config, **(extra_env or {})})
         log = open(os.path.join(self._dir, f"rank{r}.log"), "ab")
         proc = subprocess.Popen([sys.executable, "-m", "pdjax.pipeline.processes", self._dir, str(r),
                                  str(self.cores[r])], stdin=subprocess.PIPE, stdout=log, stderr=log, env=env)
@@ -223,11 +217,9 @@ class RankProcesses:
         return [out[r] for r in range(len(msgs))]
 
     def log_tail(self, r: int, chars: int = 3000) -> str:
-        try:
-            with open(os.path.join(self._dir, f"rank{r}.log"), errors="replace") as f:
-                return f.read()[-chars:]
-        except OSError:
-            return ""
+        from pdjax.disagg.launcher import file_tail
+
+        return file_tail(os.path.join(self._dir, f"rank{r}.log"), chars)
 
     def close(self) -> None:
         """Stop the workers (SIGKILL) and remove their files."""
@@ -260,9 +252,13 @@ class RankProcesses:
             self.close()
 
     # ---- steps -----------------------------------------------------------------------------
+    def check_batch(self, tokens) -> np.ndarray:
+        """A token batch [B, T] checked as :meth:`Executor.check_batch` does (before any compute)."""
+        return np.asarray(self._ex.check_batch(tokens))
+
     def _batch(self, tokens) -> str:
         """Check a batch (before any compute) and hand it to the workers as a file."""
-        tokens = np.asarray(self._ex.check_batch(tokens))
+        tokens = self.check_batch(tokens)
         key = (tokens.shape, tokens.tobytes())
         if key not in self._batches:
             path = os.path.join(self._dir, f"tokens{len(self._batches)}.npy")
