@@ -23,7 +23,9 @@ from pdjax.experiments.results import Result
 from pdjax.experiments.runner import with_defaults
 
 DEFAULTS = {
-    "model": {"preset": "tiny", "seed": 0},
+    # precision: param, compute and KV-cache dtypes (ModelConfig's fields; "bfloat16" etc.)
+    "model": {"preset": "tiny", "seed": 0, "param_dtype": "float32", "compute_dtype": "float32",
+              "cache_dtype": "float32"},
     "workload": {"batch": 4, "prompt_len": 32, "max_new_tokens": 16, "seed": 1},
     # DeepSeek's production decode setting (as in docs/analysis.md): V3, fp8 weights over EP144,
     # H800, mean KV length 4,989.
@@ -62,7 +64,22 @@ def _merged(cfg: dict) -> dict:
         if w[k] <= 0:
             raise ValueError(f"workload.{k}: must be >= 1, got {w[k]!r}")
         w[k] *= cfg.get("scale", 1)
+    _model_cfg(out["model"])                     # dtype names checked before any compute
     return out
+
+
+PRECISION = ("param_dtype", "compute_dtype", "cache_dtype")
+
+
+def _model_cfg(model: dict):
+    """The preset with the config's precision (ValueError naming the bad key)."""
+    base = pdjax.configs.preset(model["preset"])
+    for key in PRECISION:
+        try:
+            base = base.replace(**{key: model[key]})
+        except ValueError as e:
+            raise ValueError(f"model.{key}: {e}") from None
+    return base
 
 
 def check_config(cfg: dict) -> None:
@@ -72,7 +89,7 @@ def check_config(cfg: dict) -> None:
 
 def model_section(cfg: dict, out_dir: str) -> Section:
     c = _merged(cfg)
-    mcfg = pdjax.configs.preset(c["model"]["preset"])
+    mcfg = _model_cfg(c["model"])
     w = c["workload"]
     B, T, N = w["batch"], w["prompt_len"], w["max_new_tokens"]
     params = pdjax.init_params(mcfg, jax.random.key(c["model"]["seed"]))
@@ -121,6 +138,7 @@ def model_section(cfg: dict, out_dir: str) -> Section:
         "kv_bytes_per_token_mha": mha_bytes,
         "kv_ratio_mha_over_mla": round(mha_bytes / mla_bytes, 2),
         "first_tokens_row0": [int(t) for t in new_tokens[0, :8]],
+        "precision": {k: getattr(mcfg, k) for k in ("param_dtype", "compute_dtype", "kv_cache_dtype")},
     }
     timed = {
         "compile_s": round(compile_s, 2),
@@ -145,6 +163,8 @@ def model_section(cfg: dict, out_dir: str) -> Section:
             "MHA counterfactual bytes/token":
                 f"{mha_bytes:,} B = {L} x {H} heads x ({mcfg.qk_nope_head_dim} + {mcfg.v_head_dim}) x {itemsize} B",
             "MHA / MLA": f"{data['kv_ratio_mha_over_mla']}x",
+            "precision (params / compute / KV cache)":
+                f"{mcfg.param_dtype} / {mcfg.compute_dtype} / {mcfg.kv_cache_dtype}",
         }),
         "",
         "First tokens of row 0: prompt " + " ".join(map(str, prompts[0, :8])) + " ... -> "
@@ -192,7 +212,7 @@ def pd_section(cfg: dict, out_dir: str) -> Section:
     c = _merged(cfg)
     if jax.device_count() < 8:
         return Section("## PD disaggregation\nskipped: needs 8 devices (`pdjax run` provides them)")
-    mcfg = pdjax.configs.preset(c["model"]["preset"])
+    mcfg = _model_cfg(c["model"])
     params = pdjax.init_params(mcfg, jax.random.key(c["model"]["seed"]))
     w = c["workload"]
     rng = np.random.RandomState(w["seed"])
@@ -235,7 +255,8 @@ def _stall(c: dict, scale: int, out_dir: str, data: dict, timed: dict) -> list[s
         return ["Long prefills landing during decode: `pdjax run experiments/pd_vs_colocated.toml`."]
     sub = os.path.join(out_dir, "pd_vs_colocated")
     workload = {k: v for k, v in st.items() if k != "chunk_tokens"}
-    res = run_pd_vs_colocated({"model": c["model"], "workload": workload, "scale": scale,
+    model = {k: c["model"][k] for k in ("preset", "seed")}      # its own experiment: default precision
+    res = run_pd_vs_colocated({"model": model, "workload": workload, "scale": scale,
                                "engine": {"chunk_tokens": st["chunk_tokens"],
                                           "max_context": st["long_prompt"] + 64}}, sub)
     results.write(res, sub)

@@ -86,6 +86,7 @@ def links(report: str) -> list[str]:
     ("executed_bubbles.toml", 'batch.rows="4"', "batch.rows: expected int, got str"),
     ("quickstart.toml", "scale=0", "scale: must be >= 1, got 0"),
     ("quickstart.toml", "extra=1", "extra: unknown key"),
+    ("quickstart.toml", 'model.compute_dtype="bf17"', "model.compute_dtype: ModelConfig.compute_dtype"),
 ])
 def test_config_errors_name_the_key(tmp_path, capsys, config, override, message):
     runs = tmp_path / "runs"
