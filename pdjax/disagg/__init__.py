@@ -1,6 +1,7 @@
 """Prefill/decode disaggregation on real meshes: PDEngine, ColocatedEngine, the paged decode
 pool, the layer-wise latent-KV handoff, and two-process serving (launch_two_process), all
-driving one decode scheduler (DecodeScheduler, a state machine of typed events and actions).
+driving one decode scheduler (DecodeScheduler, a state machine of typed events and actions)
+over a pluggable KV link (DevicePutLink in one process, TransferLink across processes).
 
 The engines need jax (and the prefix store tensorstore): they load on first use, so the
 pure-Python parts (``pdjax.disagg.prefix_index``, shared with the serving simulator) import
@@ -10,7 +11,8 @@ import importlib
 
 _LAZY = {"ColocatedEngine": "engine", "PDEngine": "engine", "TwoProcessServer": "launcher",
          "launch_two_process": "launcher", "Request": "request", "RequestError": "request",
-         "SamplingParams": "request", "DecodeScheduler": "scheduler"}
+         "SamplingParams": "request", "DecodeScheduler": "scheduler", "Chunk": "link", "DevicePutLink": "link",
+         "TransferLink": "transfer"}
 
 
 def __getattr__(name):
@@ -19,5 +21,5 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["ColocatedEngine", "DecodeScheduler", "PDEngine", "Request", "RequestError", "SamplingParams", "TwoProcessServer",
-           "launch_two_process"]
+__all__ = ["Chunk", "ColocatedEngine", "DecodeScheduler", "DevicePutLink", "PDEngine", "Request", "RequestError",
+           "SamplingParams", "TransferLink", "TwoProcessServer", "launch_two_process"]

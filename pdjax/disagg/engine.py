@@ -7,12 +7,16 @@ decode loop (the calling thread) drives the decode scheduler
 shares): it releases each request at its arrival; the scheduler pre-allocates its KV blocks
 on a decode rank (back-pressure when the pool is full) and starts a prefill attempt, which
 this driver gives to the prefill worker predicted to finish it first; the worker prefills
-layer by layer and pushes each layer's latent rows to the decode rank that owns the blocks;
+layer by layer (:class:`~pdjax.disagg.worker.PrefillWorker`) and sends each layer's latent
+rows on the engine's ``link`` (:class:`~pdjax.disagg.link.DevicePutLink`; tests wrap it to
+inject faults) to the decode rank that owns the blocks;
 the scheduler writes arriving layers into the blocks, admits a request to the running batch
 once its prefill is ready, and the loop steps the batch (continuous batching: requests join
 and leave between steps). A failed attempt is prefilled again; so is one that makes no
 progress for ``handoff_timeout_s`` (the worker stops it at its next layer; late layers are
-ignored).
+ignored); so is one whose payload arrived with another checksum than sent, and one whose
+worker died (the worker is restarted). ``generate(clock=...)`` takes the clock that stamps
+every event and drives the deadlines (fault tests drive it by hand).
 
 Several prefill workers (``prefill_workers``: the prefill devices split into equal meshes)
 share one prefix cache; each attempt goes to the worker predicted to finish it first under
@@ -30,9 +34,8 @@ decodes.
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import math
+import functools
 import queue
 import threading
 
@@ -41,23 +44,34 @@ import numpy as np
 
 from pdjax.config import ModelConfig
 from pdjax.disagg.decode import DecodePool
+from pdjax.disagg.link import DevicePutLink, checksum
+from pdjax.disagg.loop import DecodeLoop
 from pdjax.disagg.prefill import PrefillPool, chunk_plan
-from pdjax.disagg.prefix_store import CorruptBlockError, MissingBlockError, PrefixStore
+from pdjax.disagg.prefix_store import PrefixStore
 from pdjax.disagg.request import Clock, Request, RequestError, SamplingParams, validate_request
-from pdjax.disagg.scheduler import (Admitted, CancelPrefill, DecodeScheduler, Failed, LayerArrived, Ready, Started,
-                                    StartPrefill, Stepped, Submit, Tick, Token)
+from pdjax.disagg.scheduler import (Admitted, CancelPrefill, DecodeScheduler, Failed, LayerArrived, StartPrefill,
+                                    Submit, Token)
 from pdjax.disagg.scheduling import FifoLock, Signals, largest_chunk, measure_link_bandwidth, whole_buckets
+from pdjax.disagg.worker import PrefillJob, PrefillWorker
 
 
-class _Crashed:
-    """A prefill worker died: the decode loop re-raises its error."""
-
-    def __init__(self, error: BaseException):
-        self.error = error
-
-
-class _Cancelled(Exception):
-    """An attempt the scheduler abandoned: stop computing it, send nothing more."""
+def _check_options(prefill_devices, decode_devices, colocated, prefill_workers, prefill_cost, prefill_chunk_tokens,
+                   **positive):
+    """Raise ValueError naming the first bad engine option (before anything is built)."""
+    if not colocated and {d.id for d in prefill_devices} & {d.id for d in decode_devices}:
+        raise ValueError("prefill_devices and decode_devices must be disjoint (use ColocatedEngine to share)")
+    if not isinstance(prefill_workers, int) or prefill_workers < 1 or len(prefill_devices) % prefill_workers:
+        raise ValueError(f"prefill_workers={prefill_workers!r} must be a positive integer dividing the "
+                         f"{len(prefill_devices)} prefill devices")
+    if colocated and prefill_workers != 1:
+        raise ValueError("a colocated engine has one pool: prefill_workers must be 1")
+    for name, v in positive.items():
+        if v is not None and not v > 0:
+            raise ValueError(f"{name} must be > 0 or None, got {v!r}")
+    if prefill_chunk_tokens is not None and (not isinstance(prefill_chunk_tokens, int) or prefill_chunk_tokens < 1):
+        raise ValueError(f"prefill_chunk_tokens must be a positive integer or None, got {prefill_chunk_tokens!r}")
+    if prefill_cost is not None and not callable(prefill_cost):
+        raise ValueError("prefill_cost must be a callable cost(q, c) -> seconds (e.g. a PrefillCostFit)")
 
 
 class PDEngine:
@@ -72,21 +86,9 @@ class PDEngine:
                  prefill_chunk_tokens: int | None = None, handoff_timeout_s: float | None = None,
                  link_bandwidth_Bps: float | None = None):
         prefill_devices, decode_devices = list(prefill_devices), list(decode_devices)
-        if not colocated and {d.id for d in prefill_devices} & {d.id for d in decode_devices}:
-            raise ValueError("prefill_devices and decode_devices must be disjoint (use ColocatedEngine to share)")
-        if not isinstance(prefill_workers, int) or prefill_workers < 1 or len(prefill_devices) % prefill_workers:
-            raise ValueError(f"prefill_workers={prefill_workers!r} must be a positive integer dividing the "
-                             f"{len(prefill_devices)} prefill devices")
-        if colocated and prefill_workers != 1:
-            raise ValueError("a colocated engine has one pool: prefill_workers must be 1")
-        for name, v in (("prefill_budget_s", prefill_budget_s), ("handoff_timeout_s", handoff_timeout_s),
-                        ("link_bandwidth_Bps", link_bandwidth_Bps)):
-            if v is not None and not v > 0:
-                raise ValueError(f"{name} must be > 0 or None, got {v!r}")
-        if prefill_chunk_tokens is not None and (not isinstance(prefill_chunk_tokens, int) or prefill_chunk_tokens < 1):
-            raise ValueError(f"prefill_chunk_tokens must be a positive integer or None, got {prefill_chunk_tokens!r}")
-        if prefill_cost is not None and not callable(prefill_cost):
-            raise ValueError("prefill_cost must be a callable cost(q, c) -> seconds (e.g. a PrefillCostFit)")
+        _check_options(prefill_devices, decode_devices, colocated, prefill_workers, prefill_cost,
+                       prefill_chunk_tokens, prefill_budget_s=prefill_budget_s, handoff_timeout_s=handoff_timeout_s,
+                       link_bandwidth_Bps=link_bandwidth_Bps)
         self.cfg = cfg
         self.max_context = max_context or cfg.max_position_embeddings
         self.colocated = colocated
@@ -96,8 +98,8 @@ class PDEngine:
         self.prefill = self.prefills[0]
         # colocated: the decode pool uses the prefill pool's placed params (same devices and
         # mesh: shard_params moves nothing), so the weights are on the devices once
-        self.decode = DecodePool(self.prefills[0].params if colocated else params, cfg, decode_devices, decode_mesh or {"expert": len(decode_devices)},
-                                 slots=max_decode_slots, block_size=block_size, max_context=self.max_context,
+        self.decode = DecodePool(self.prefills[0].params if colocated else params, cfg, decode_devices,
+                                 decode_mesh or {"expert": len(decode_devices)}, slots=max_decode_slots, block_size=block_size, max_context=self.max_context,
                                  num_blocks=num_blocks)
         self.max_prefill_attempts = max_prefill_attempts
         self.prefill_cost, self.prefill_budget_s = prefill_cost, prefill_budget_s
@@ -112,7 +114,8 @@ class PDEngine:
             opts = {"device_blocks": 0, "host_blocks": 256, **(prefix_cache if isinstance(prefix_cache, dict) else {})}
             self.store = PrefixStore(cfg, block_size, dtype=cfg.kv_cache_dtype,
                                      device=self.prefill.replicated, **opts)
-        self.fault_hooks: dict = {}     # test hooks: "handoff" -> callable(request, layer) that may raise
+        # the KV link (tests wrap it to inject faults); colocated: nothing crosses a link
+        self.link = DevicePutLink(self.decode.rank_devices, count_bytes=not colocated)
         self.stats: dict = {}
 
     # ---- prefill side --------------------------------------------------------------------
@@ -174,77 +177,34 @@ class PDEngine:
         req.prefill_worker, req.predicted_prefill_s = w, cost
         return w
 
-    def _prefill_loop(self, pool, jobs, inbox, clock, stop, cancelled):
-        try:
-            self._prefill_requests(pool, jobs, inbox, clock, stop, cancelled)
-        except BaseException as e:  # noqa: BLE001 - never leave the decode loop waiting
-            inbox.put(_Crashed(e))
-
-    def _prefill_requests(self, pool: PrefillPool, jobs: "queue.Queue", inbox: "queue.Queue", clock: Clock,
-                          stop: threading.Event, cancelled: set):
-        """One prefill worker: attempts in order (their KV blocks already reserved), each
-        layer pushed to the decode rank that owns the blocks as soon as it is computed."""
-        chunk = self._chunker(pool)
-        while not stop.is_set():
-            try:
-                a = jobs.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            req, key = a.request, (a.request.index, a.number)
-            if key in cancelled:                      # abandoned while queued: never started
-                continue
-            target = self.decode.target_device(a.res)
-            inbox.put(Started(req.index, a.number, clock.now()))
-
-            def push(l, rows, start, key=key):
-                if key in cancelled:                  # abandoned while running: stop here
-                    raise _Cancelled()
-                hook = self.fault_hooks.get("handoff")
-                if hook is not None:
-                    hook(req, l)
-                moved = jax.device_put(rows, target)          # asynchronous copy
-                nbytes = 0 if self.colocated else rows.size * rows.dtype.itemsize
-                inbox.put(LayerArrived(key[0], key[1], l, moved, start, nbytes, clock.now()))
-            try:
-                prefix = self._cached_prefix(req, pool)
-                tok, rows = pool.run(req, push, prefix, chunk=chunk, step_lock=self._pool_lock)
-            except _Cancelled:
-                continue
-            except Exception as e:  # noqa: BLE001 - any handoff/prefill failure retries the request
-                inbox.put(Failed(req.index, a.number, f"{type(e).__name__}: {e}", clock.now()))
-                continue
-            inbox.put(Ready(req.index, a.number, tok, clock.now()))
-            if self.store is not None:                # after ready: a store failure costs a cache entry only
-                try:
-                    self.store.insert(req.prompt, rows, retention=req.retention)
-                except Exception as e:  # noqa: BLE001
-                    req.prefix_errors.append(f"insert failed: {type(e).__name__}: {e}")
-
-    def _cached_prefix(self, req, pool: PrefillPool):
-        """(P, layer-by-layer loader) for the request's cached prefix, or None. A block that
-        fails its checksum (or vanished) is dropped and the prefix recomputed."""
-        if self.store is None:
-            return None
-        P = self.store.lookup(req.prompt)
-        req.prefix_hit_tokens = 0
-        if P == 0:
-            return None
-        try:
-            loaded = self.store.load(req.prompt, P, pool.replicated)
-        except (CorruptBlockError, MissingBlockError) as e:
-            req.prefix_errors.append(str(e))
-            return None
-        req.prefix_hit_tokens = P
-        return P, loaded
-
-    # ---- decode side ---------------------------------------------------------------------
+    # ---- serving ---------------------------------------------------------------------------
     def generate(self, prompts, max_new_tokens=16, *, sampling: SamplingParams | list | None = None,
-                 stop_tokens=(), on_token=None, retention: str = "chat", arrival_times=None):
+                 stop_tokens=(), on_token=None, retention: str = "chat", arrival_times=None, clock=None):
         """Serve ``prompts``; returns their generated tokens in request order.
 
         ``max_new_tokens`` and ``sampling`` may be per-request lists; ``arrival_times``
         (seconds from the call, non-decreasing) releases each request to the prefill queue
-        at its time instead of all at once; ``on_token(request_index, token)`` streams."""
+        at its time instead of all at once; ``on_token(request_index, token)`` streams.
+        ``clock``: the served clock (``now()`` in seconds; default: real time from the call),
+        which stamps every event and drives the handoff deadlines."""
+        reqs = self._requests(prompts, max_new_tokens, sampling, stop_tokens, retention, arrival_times)
+        if self.prefill_cost is None and (self.prefill_budget_s is not None or len(self.prefills) > 1):
+            self.calibrate_prefill()                  # once, before any thread needs it
+        clock = clock or Clock()
+        sched = DecodeScheduler(self.decode, max_prefill_attempts=self.max_prefill_attempts,
+                                handoff_timeout_s=self.handoff_timeout_s, checksum=checksum, trace=[])
+        run = _Run(self, sched, clock, on_token)
+        try:
+            run.loop.run([Submit(r, r.arrival, options=(True, retention)) for r in reqs if r.error is None])
+        finally:
+            run.stop()
+        self._record_stats(reqs, clock, run.signals, sched)
+        self.stats.update(worker_restarts=run.restarts, trace=sched.trace,
+                          prefix_insert_errors=[e for w in run.workers for e in w.insert_errors])
+        return [r.error if r.error is not None else list(r.output) for r in reqs]
+
+    def _requests(self, prompts, max_new_tokens, sampling, stop_tokens, retention, arrival_times) -> list:
+        """One Request per prompt, validated (a bad one carries its RequestError)."""
         n = len(prompts)
         samplings = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * n
         mnt = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * n
@@ -260,79 +220,7 @@ class PDEngine:
             except RequestError as e:
                 r.error = e
             reqs.append(r)
-        if self.prefill_cost is None and (self.prefill_budget_s is not None or len(self.prefills) > 1):
-            self.calibrate_prefill()                  # once, before any thread needs it
-        clock = Clock()                               # the served clock starts now
-        inbox: queue.Queue = queue.Queue()
-        stop = threading.Event()
-        cancelled: set = set()                        # (request, attempt) the scheduler abandoned
-        jobs = [queue.Queue() for _ in self.prefills]
-        sched = DecodeScheduler(self.decode, max_prefill_attempts=self.max_prefill_attempts,
-                                handoff_timeout_s=self.handoff_timeout_s)
-        signals = Signals(self.link_bandwidth_Bps,
-                          lambda: sum(q.qsize() for q in jobs) + len(sched.waiting), clock)
-        threads = [threading.Thread(target=self._prefill_loop, args=(pool, q, inbox, clock, stop, cancelled),
-                                    daemon=True) for pool, q in zip(self.prefills, jobs)]
-        for t in threads:
-            t.start()
-        try:
-            self._decode_loop(sched, [r for r in reqs if r.error is None], jobs, inbox, cancelled, clock,
-                              on_token, signals)
-        finally:
-            stop.set()
-            for t in threads:
-                t.join(timeout=60)
-        self._record_stats(reqs, clock, signals, sched)
-        return [r.error if r.error is not None else list(r.output) for r in reqs]
-
-    def _decode_loop(self, sched, arrivals, jobs, inbox, cancelled, clock, on_token, signals):
-        """The driver of the scheduler in this process: releases each request at its arrival,
-        feeds it the prefill workers' events and the decode steps, and carries out its
-        actions (an attempt to the worker predicted to finish it first, cancellations,
-        streamed tokens)."""
-        upcoming = collections.deque(arrivals)
-        free_at = [0.0] * len(jobs)
-
-        def carry(actions):
-            for a in actions:
-                if isinstance(a, StartPrefill):
-                    jobs[self._pick_worker(a.attempt.request, free_at, clock.now())].put(a.attempt)
-                elif isinstance(a, CancelPrefill):
-                    cancelled.add((a.request, a.attempt))
-                elif isinstance(a, Admitted):
-                    signals.kv_waits.append(a.request.kv_wait_s)
-                elif isinstance(a, Token):
-                    if on_token is not None:
-                        on_token(a.request.index, a.token)
-
-        while upcoming or sched.remaining:
-            while upcoming and upcoming[0].arrival <= clock.now():
-                carry(sched.handle(Submit(upcoming.popleft(), clock.now())))
-            events = []
-            if not sched.running:                     # idle: sleep until a message, an arrival or a deadline
-                wake = min(upcoming[0].arrival if upcoming else math.inf, sched.deadline(), clock.now() + 1.0)
-                try:
-                    events.append(inbox.get(timeout=max(wake - clock.now(), 0.0)))
-                except queue.Empty:
-                    pass
-            while True:
-                try:
-                    events.append(inbox.get_nowait())
-                except queue.Empty:
-                    break
-            for ev in events:
-                if isinstance(ev, _Crashed):
-                    raise RuntimeError("the prefill worker crashed") from ev.error
-                if isinstance(ev, LayerArrived):
-                    signals.bytes += ev.nbytes
-                carry(sched.handle(ev))
-            if self.handoff_timeout_s is not None:
-                carry(sched.handle(Tick(clock.now())))
-            signals.sample()
-            if sched.running:
-                with self._pool_lock:
-                    new_tokens = self.decode.step()
-                carry(sched.handle(Stepped(new_tokens, clock.now())))
+        return reqs
 
     def _record_stats(self, reqs, clock, signals, sched):
         per = [r.metrics() for r in reqs]
@@ -362,3 +250,71 @@ class ColocatedEngine(PDEngine):
         mesh = mesh or {"expert": len(devices)}
         super().__init__(params, cfg, prefill_devices=devices, decode_devices=devices, prefill_mesh=mesh,
                          decode_mesh=mesh, colocated=True, **kwargs)
+
+
+class _Run:
+    """The drivers of one ``generate``: a prefill worker thread per prefill pool (each
+    attempt to the worker predicted to finish it first), the decode loop on the calling
+    thread, and the DOPD signals. A worker that dies (a BaseException escaping its run) fails
+    its attempt and is started again; the request is prefilled again like any failure."""
+
+    def __init__(self, eng: PDEngine, sched: DecodeScheduler, clock, on_token):
+        self.eng, self.sched, self.clock, self.on_token = eng, sched, clock, on_token
+        self.jobs = [queue.Queue() for _ in eng.prefills]
+        self.workers = [PrefillWorker(pool, eng.link, clock, store=eng.store, chunk=eng._chunker(pool),
+                                      step_lock=eng._pool_lock) for pool in eng.prefills]
+        self.signals = Signals(eng.link_bandwidth_Bps, lambda: sum(q.qsize() for q in self.jobs) + len(sched.waiting),
+                               clock)
+        self.loop = DecodeLoop(sched, eng.decode, clock, self.carry, step_lock=eng._pool_lock,
+                               on_event=self._observe, on_turn=self.signals.sample)
+        self.free_at = [0.0] * len(self.jobs)
+        self.assigned: dict = {}                  # (request, attempt) -> worker
+        self.restarts = 0
+        self._stop = threading.Event()
+        self.threads = [self._start(w) for w in range(len(self.workers))]
+
+    def _start(self, w: int) -> threading.Thread:
+        t = threading.Thread(target=self._work, args=(w,), daemon=True)
+        t.start()
+        return t
+
+    def _work(self, w: int) -> None:
+        worker, jobs = self.workers[w], self.jobs[w]
+        while not self._stop.is_set():
+            try:
+                job = jobs.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            try:
+                worker.run(job, self.loop.post)
+            except BaseException as e:  # noqa: BLE001 - the worker died: the loop restarts it
+                self.loop.post(functools.partial(self._died, w, job, e))
+                return
+
+    def _died(self, w: int, job: PrefillJob, error: BaseException, loop: DecodeLoop) -> None:
+        self.restarts += 1
+        self.threads[w] = self._start(w)
+        loop.handle(Failed(job.request, job.attempt, f"the prefill worker died: {type(error).__name__}: {error}",
+                           self.clock.now()))
+
+    def carry(self, actions) -> None:
+        for a in actions:
+            if isinstance(a, StartPrefill):
+                w = self.eng._pick_worker(a.attempt.request, self.free_at, self.clock.now())
+                self.assigned[(a.attempt.request.index, a.attempt.number)] = w
+                self.jobs[w].put(PrefillJob.of(a.attempt))
+            elif isinstance(a, CancelPrefill):
+                self.workers[self.assigned.pop((a.request, a.attempt))].cancel(a.request, a.attempt)
+            elif isinstance(a, Admitted):
+                self.signals.kv_waits.append(a.request.kv_wait_s)
+            elif isinstance(a, Token) and self.on_token is not None:
+                self.on_token(a.request.index, a.token)
+
+    def _observe(self, event) -> None:
+        if isinstance(event, LayerArrived):
+            self.signals.bytes += event.nbytes
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self.threads:
+            t.join(timeout=60)

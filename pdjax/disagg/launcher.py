@@ -4,9 +4,10 @@
 subprocesses (``python -m pdjax serve --role ...``, random free loopback ports reported on a
 ``PDJAX_SERVE_READY`` line), sends requests to decode and collects tokens. If the decode
 process dies, it is restarted and the unfinished requests are re-issued (tokens already
-streamed are not streamed again). Children are killed with SIGKILL (jax catches SIGTERM) and
-exit by themselves when the launcher's stdin pipe closes (:func:`exit_when_orphaned`, which
-a child calls, as it calls :func:`announce_ready`).
+streamed are not streamed again). If the prefill process dies, decode fails its attempts in
+flight and says so (``prefill_lost``); the launcher restarts it and gives decode its
+address, and decode prefills those requests again. Children are killed with SIGKILL (jax
+catches SIGTERM) and exit by themselves when the launcher's stdin pipe closes.
 """
 
 from __future__ import annotations
@@ -21,91 +22,9 @@ import tempfile
 import threading
 import time
 
+from pdjax.disagg.children import READY, child_env, file_tail
 from pdjax.disagg.request import RequestError, SamplingParams
 from pdjax.disagg.transfer import Control
-
-READY = "PDJAX_SERVE_READY"
-
-
-def announce_ready(role: str, listener, transfer_address: str) -> None:
-    """Child side: the ready line the launcher waits for (the ports the OS picked)."""
-    host, port = listener.getsockname()[:2]
-    print(f"{READY} " + json.dumps({"role": role, "control": f"{host}:{port}", "transfer": transfer_address,
-                                    "pid": os.getpid()}), flush=True)
-
-
-def child_env(device_count: int, extra: dict | None = None) -> dict:
-    """The environment of a child jax process: this one's, on the CPU platform with
-    ``device_count`` devices, this checkout importable, then ``extra``."""
-    env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-    env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={device_count}"])
-    env["JAX_PLATFORMS"] = "cpu"
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    env.update(extra or {})
-    return env
-
-
-def file_tail(path: str, chars: int) -> str:
-    """The last ``chars`` characters of a (log) file; "" when it cannot be read."""
-    try:
-        with open(path, errors="replace") as f:
-            return f.read()[-chars:]
-    except OSError:
-        return ""
-
-
-def exit_when_orphaned() -> None:
-    """Child side: exit at once when the launcher's stdin pipe closes (the launcher is gone)."""
-    def watch():
-        try:
-            while sys.stdin.buffer.read(1 << 16):
-                pass
-        finally:
-            os._exit(0)
-    threading.Thread(target=watch, daemon=True).start()
-
-
-class PrefillFaults:
-    """Test-only fault hooks of the prefill role, armed by a ``fault`` control message
-    (:meth:`TwoProcessServer.inject_prefill_fault`): ``arm`` answers it; ``take_stall(prompt)``
-    gives ``(layer, seconds, event)`` for the next armed run of that prompt, or None: the
-    prefill waits on ``event`` up to ``seconds`` before announcing that layer, and ``notice``
-    (each ``prefill`` message received) sets it when the same prompt is sent again, i.e. once
-    the decode side has given up on the stalled attempt."""
-
-    def __init__(self):
-        self._stalls: dict = {}                 # prompt -> [layer, seconds, runs left]
-        self._active: dict = {}                 # prompt -> event of the stalled run
-        self._lock = threading.Lock()
-
-    def arm(self, msg: dict, store) -> dict:
-        try:
-            if "corrupt_prefix" in msg:         # flip a byte of the prompt's first cached block
-                return {"op": "fault", "ok": True, "tier": store._corrupt(store.hashes(msg["corrupt_prefix"])[0])}
-            with self._lock:
-                self._stalls[tuple(msg["prompt"])] = [int(msg["stall_layer"]), float(msg["seconds"]),
-                                                      int(msg.get("count", 1))]
-            return {"op": "fault", "ok": True}
-        except (AttributeError, KeyError, TypeError, ValueError, IndexError) as e:
-            return {"op": "fault", "ok": False, "error": f"{type(e).__name__}: {e}"}
-
-    def take_stall(self, prompt) -> tuple | None:
-        key = tuple(prompt)
-        with self._lock:
-            s = self._stalls.get(key)
-            if s is None or s[2] <= 0:
-                return None
-            s[2] -= 1
-            event = self._active[key] = threading.Event()
-            return s[0], s[1], event
-
-    def notice(self, prompt) -> None:
-        with self._lock:
-            event = self._active.pop(tuple(prompt), None)
-        if event is not None:
-            event.set()
 
 
 def _per_request(value, n: int) -> list:
@@ -124,26 +43,30 @@ class TwoProcessServer:
     ``handoff_timeout_s``: decode's deadline for a prefill attempt without progress; the
     reservation is then cancelled and the request re-prefilled (``max_prefill_attempts``).
     ``env``: extra environment for both children (e.g. ``JAX_DEFAULT_MATMUL_PRECISION``).
+    ``link_wrapper``: ``"file.py:factory"`` wrapping the prefill process's KV link (see
+    :mod:`pdjax.disagg.prefill_server`; the fault tests use it with :meth:`inject_prefill_fault`).
 
     ``stats`` after ``generate``: per request (ttft seconds as seen by the client, kv_bytes
     received by decode, prefill_attempts, handoff_timeouts, prefix_hit_tokens,
-    prefix_errors, reissued), totals ``kv_bytes_received``, ``decode_restarts`` and the
-    decode process's counters since it started (``link``: bytes, pulls, seconds spent in
-    pulls, link_throughput_Bps = bytes / pull seconds, handoff_timeouts, stale_messages)."""
+    prefix_errors, reissued), totals ``kv_bytes_received``, ``decode_restarts``,
+    ``prefill_restarts`` and the decode process's counters since it started (``link``:
+    bytes, pulls, seconds spent in pulls, link_throughput_Bps = bytes / pull seconds,
+    handoff_timeouts, stale_messages, corrupt_payloads)."""
 
     def __init__(self, preset: str = "tiny", seed: int = 0, *, prefill_mesh: dict | None = None,
                  decode_mesh: dict | None = None, prefill_devices: int = 4, decode_devices: int = 4,
                  block_size: int = 16, max_decode_slots: int = 4, max_context: int | None = None,
                  num_blocks: int | None = None, prefix_cache: bool | dict = False,
                  handoff_timeout_s: float = 30.0, max_prefill_attempts: int = 3,
-                 env: dict | None = None, startup_timeout: float = 120.0):
+                 env: dict | None = None, startup_timeout: float = 120.0, link_wrapper: str | None = None):
         self.startup_timeout = startup_timeout
         self._log_dir = tempfile.mkdtemp(prefix="pdjax-serve-")
         common = ["--preset", preset, "--seed", str(seed), "--block-size", str(block_size)]
         store = {} if prefix_cache is True else prefix_cache
         self._argv = {
             "prefill": common + ["--mesh", json.dumps(prefill_mesh or {"expert": prefill_devices})]
-            + (["--prefix-cache", json.dumps(store)] if store is not False and store is not None else []),
+            + (["--prefix-cache", json.dumps(store)] if store is not False and store is not None else [])
+            + (["--link-wrapper", link_wrapper] if link_wrapper else []),
             "decode": common + ["--mesh", json.dumps(decode_mesh or {"expert": decode_devices}),
                                 "--slots", str(max_decode_slots), "--handoff-timeout", str(handoff_timeout_s),
                                 "--max-prefill-attempts", str(max_prefill_attempts)]
@@ -157,7 +80,7 @@ class TwoProcessServer:
         self._events: queue.Queue = queue.Queue()
         self._generation = 0
         self._next_id = 0
-        self.decode_restarts = 0
+        self.decode_restarts = self.prefill_restarts = 0
         self.stats: dict = {}
         try:
             self._spawn("prefill")
@@ -226,13 +149,8 @@ class TwoProcessServer:
         self.procs["decode"][0].kill()
 
     def inject_prefill_fault(self, **fault) -> dict:
-        """Test hook: arm a fault in the prefill process (a ``fault`` control message on a
-        connection of its own); returns its reply, raises if it refused. ``prompt=[...],
-        stall_layer=l, seconds=s[, count=1]``: the next ``count`` prefill runs of that prompt
-        stall before announcing layer l (the prefill process stalls) until the prompt is sent
-        to prefill again (decode gave up on the attempt), at most ``s`` seconds;
-        ``corrupt_prefix=[...]``: flip a byte of that prompt's first cached prefix block."""
-        fault = {k: [int(t) for t in v] if k in ("prompt", "corrupt_prefix") else v for k, v in fault.items()}
+        """Send ``fault`` to the prefill process's link wrapper (its ``arm``, on a control
+        connection of its own); returns the reply, raises if it refused (or no wrapper)."""
         ctl = Control.connect(self.prefill_info["control"])
         try:
             hello = ctl.recv()
@@ -257,25 +175,66 @@ class TwoProcessServer:
         self._spawn("decode")
         self._connect_decode()
 
+    def _restart_prefill(self) -> None:
+        """A new prefill process (the old one killed if it lingers); decode connects to it."""
+        self._kill("prefill")
+        self.prefill_restarts += 1
+        self._spawn("prefill")
+        self.prefill_info = self._wait_ready("prefill")
+        self._decode_ctl.send({"op": "prefill", "address": self.prefill_info["control"]})
+
     # ---- requests ------------------------------------------------------------------------
     def generate(self, prompts, max_new_tokens=16, *, sampling: SamplingParams | list | None = None,
                  stop_tokens=(), on_token=None, timeout: float = 300.0, max_restarts: int = 3,
                  handoff_timeout_s: float | list | None = None, use_prefix_cache: bool = True,
                  retention: str = "chat"):
         """Serve ``prompts`` through the two processes; ``on_token(request_index, token)``
-        streams (each token once, also across a decode restart). A decode process that dies
-        is restarted (at most ``max_restarts`` times) and the unfinished requests re-issued;
-        a dead prefill process, or no result within ``timeout`` seconds, raises.
+        streams (each token once, also across a decode restart). A process that dies is
+        restarted (each role at most ``max_restarts`` times per call): a new decode process
+        gets the unfinished requests again, a new prefill process the attempts decode lost
+        with the old one. No result within ``timeout`` seconds raises.
 
         ``max_new_tokens``, ``sampling`` and ``handoff_timeout_s`` may be per-request lists;
         ``handoff_timeout_s`` None = the decode process's ``--handoff-timeout``.
         ``use_prefix_cache=False``: these requests neither read nor fill the prefix store;
         ``retention``: the retention class their prefix blocks are stored under."""
+        t0 = time.perf_counter()
+        reqs = self._messages(prompts, max_new_tokens, sampling, stop_tokens, handoff_timeout_s,
+                              use_prefix_cache, retention)
+        for r in reqs.values():
+            self._decode_ctl.send(r["msg"])
+        results: list = [None] * len(prompts)
+        left = set(reqs)
+        restarts = {"decode": 0, "prefill": 0}
+        deadline = time.monotonic() + timeout
+        while left:
+            try:
+                gen, msg = self._events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"{len(left)} requests unfinished after {timeout} s; decode log:\n"
+                                   f"{self.log_tail('decode')}") from None
+            if gen != self._generation:
+                continue                              # from a decode process already replaced
+            if msg is None or msg["op"] == "prefill_lost":
+                role = "decode" if msg is None else "prefill"
+                restarts[role] += 1
+                if restarts[role] > max_restarts:
+                    raise RuntimeError(f"the {role} process died {restarts[role]} times in one generate; "
+                                       f"its log:\n{self.log_tail(role)}")
+                self._recover(role, reqs, left)
+                continue
+            r = reqs.get(msg.get("request"))
+            if r is not None:
+                self._on_result(r, msg, results, left, on_token, t0)
+        self._record_stats(reqs, time.perf_counter() - t0)
+        return results
+
+    def _messages(self, prompts, max_new_tokens, sampling, stop_tokens, handoff_timeout_s, use_prefix_cache,
+                  retention) -> dict:
+        """request id -> {index, its generate message, what came back so far}."""
         n = len(prompts)
         samplings = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * n
-        mnt = _per_request(max_new_tokens, n)
-        deadlines = _per_request(handoff_timeout_s, n)
-        t0 = time.perf_counter()
+        mnt, deadlines = _per_request(max_new_tokens, n), _per_request(handoff_timeout_s, n)
         reqs = {}
         for i, p in enumerate(prompts):
             s = samplings[i]
@@ -287,48 +246,31 @@ class TwoProcessServer:
             if deadlines[i] is not None:
                 msg["handoff_timeout_s"] = float(deadlines[i])
             reqs[rid] = {"index": i, "streamed": 0, "tokens": [], "ttft": None, "reissued": 0, "msg": msg}
-        for r in reqs.values():
-            self._decode_ctl.send(r["msg"])
-        results: list = [None] * n
-        left = set(reqs)
-        restarts = 0
-        deadline = time.monotonic() + timeout
-        while left:
-            try:
-                gen, msg = self._events.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise TimeoutError(f"{len(left)} requests unfinished after {timeout} s; decode log:\n"
-                                   f"{self.log_tail('decode')}") from None
-            if gen != self._generation:
-                continue                              # from a decode process already replaced
-            if msg is None:                           # decode died: restart, re-issue the rest
-                if self.procs["prefill"][0].poll() is not None:
-                    raise RuntimeError(f"the prefill process died; its log:\n{self.log_tail('prefill')}")
-                restarts += 1
-                if restarts > max_restarts:
-                    raise RuntimeError(f"the decode process died {restarts} times in one generate; "
-                                       f"its log:\n{self.log_tail('decode')}")
-                self._restart_decode()
-                for rid in left:
-                    reqs[rid]["tokens"], reqs[rid]["reissued"] = [], reqs[rid]["reissued"] + 1
-                    self._decode_ctl.send(reqs[rid]["msg"])
-                continue
-            r = reqs.get(msg.get("request"))
-            if msg["op"] == "token" and r is not None:
-                r["tokens"].append(msg["token"])
-                if r["ttft"] is None:
-                    r["ttft"] = time.perf_counter() - t0
-                if len(r["tokens"]) > r["streamed"]:
-                    r["streamed"] += 1
-                    if on_token is not None:
-                        on_token(r["index"], msg["token"])
-            elif msg["op"] == "done" and r is not None:
-                results[r["index"]] = RequestError(msg["error"]) if "error" in msg else list(msg["tokens"])
-                r["done"] = msg
-                left.discard(msg["request"])
-        self._record_stats(reqs, time.perf_counter() - t0)
-        return results
+        return reqs
 
+    def _recover(self, role: str, reqs: dict, left: set) -> None:
+        """A role died: restart it; a new decode gets the unfinished requests again."""
+        if role == "prefill" or self.procs["prefill"][0].poll() is not None:
+            self._restart_prefill()
+        if role == "decode":
+            self._restart_decode()
+            for rid in left:
+                reqs[rid]["tokens"], reqs[rid]["reissued"] = [], reqs[rid]["reissued"] + 1
+                self._decode_ctl.send(reqs[rid]["msg"])
+
+    def _on_result(self, r: dict, msg: dict, results: list, left: set, on_token, t0: float) -> None:
+        if msg["op"] == "token":
+            r["tokens"].append(msg["token"])
+            if r["ttft"] is None:
+                r["ttft"] = time.perf_counter() - t0
+            if len(r["tokens"]) > r["streamed"]:      # not streamed before a decode restart
+                r["streamed"] += 1
+                if on_token is not None:
+                    on_token(r["index"], msg["token"])
+        elif msg["op"] == "done":
+            results[r["index"]] = RequestError(msg["error"]) if "error" in msg else list(msg["tokens"])
+            r["done"] = msg
+            left.discard(msg["request"])
     def _record_stats(self, reqs, elapsed) -> None:
         self._decode_ctl.send({"op": "stats"})
         link = {}
@@ -350,7 +292,8 @@ class TwoProcessServer:
                         "prefix_hit_tokens": d.get("prefix_hit_tokens", 0),
                         "prefix_errors": list(d.get("prefix_errors", [])), "reissued": r["reissued"]})
         self.stats = {"requests": per, "kv_bytes_received": sum(d["kv_bytes_received"] for d in per),
-                      "elapsed_s": elapsed, "decode_restarts": self.decode_restarts, "link": link}
+                      "elapsed_s": elapsed, "decode_restarts": self.decode_restarts,
+                      "prefill_restarts": self.prefill_restarts, "link": link}
 
     def close(self) -> None:
         """Shut both processes down (SIGKILL after a short grace) and remove the logs."""

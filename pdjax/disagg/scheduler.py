@@ -13,7 +13,9 @@ up to ``max_prefill_attempts``; then it ends with a :class:`RequestError`, alone
 
 Nothing here waits, sleeps, reads a clock or moves data: events carry their time (the
 driver's clock, so tests can drive time), and the scheduler answers each event with the
-actions the driver must carry out. The in-process engines (threads) and the two-process
+actions the driver must carry out. Its one read from a device: with ``checksum`` set, the
+checksums of an attempt's arrived chunks, compared with the sender's at ``Ready`` (a corrupt
+payload fails the attempt before the request is admitted). The in-process engines (threads) and the two-process
 servers (sockets) are drivers of this one machine. Messages of an attempt that is no longer
 current (timed out, failed) are counted as stale and ignored.
 
@@ -30,6 +32,7 @@ import dataclasses
 import math
 from typing import Any, Optional
 
+from pdjax.disagg.link import checksums_to_host
 from pdjax.disagg.request import Request, RequestError
 
 
@@ -69,12 +72,15 @@ class LayerArrived:
 @dataclasses.dataclass(frozen=True)
 class Ready:
     """Every layer was sent; ``first_token`` sampled by the prefill. ``info``: per-request
-    fields the prefill reports (``prefix_hit_tokens``, ``prefix_errors``)."""
+    fields the prefill reports (``prefix_hit_tokens``, ``prefix_errors``, ``prefill_chunks``);
+    ``checksums``: ``[[layer, start, a, b]]`` of every chunk sent
+    (:func:`pdjax.disagg.link.checksum`), checked against what arrived."""
     request: int
     attempt: int
     first_token: int
     t: float
     info: Any = None
+    checksums: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +152,7 @@ class Attempt:
     last: Optional[float] = None          # last progress (start, a layer); None: queued at prefill
     layers: int = 0
     bytes: int = 0
+    received: list = dataclasses.field(default_factory=list)   # (layer, start, checksum of what arrived)
 
     def deadline(self) -> float:
         """No deadline while queued behind other attempts (or without a timeout); then
@@ -158,9 +165,17 @@ class Attempt:
 class DecodeScheduler:
     """See the module docstring. ``handle(event) -> [actions]``; ``remaining``: requests
     submitted and not ended; ``stats``: counters (``handoff_timeouts``, ``stale_messages``,
-    ``pool_full``: reservations refused for want of blocks or slots, i.e. back-pressure)."""
+    ``pool_full``: reservations refused for want of blocks or slots, i.e. back-pressure;
+    ``corrupt_payloads``: attempts whose chunks arrived with another checksum than sent).
 
-    def __init__(self, pool, *, max_prefill_attempts: int = 3, handoff_timeout_s: Optional[float] = None):
+    ``checksum``: rows -> checksum of an arriving chunk (e.g. :func:`pdjax.disagg.link.checksum`;
+    None: payloads are not checked); a ``Ready`` whose ``checksums`` differ from what arrived
+    fails its attempt (the only host read here: one per attempt, before admission).
+    ``trace``: a list to append ``(t, what, request)`` to for every action and every
+    refused reservation (``"PoolFull"``), the scheduler's own record of what happened when."""
+
+    def __init__(self, pool, *, max_prefill_attempts: int = 3, handoff_timeout_s: Optional[float] = None,
+                 checksum=None, trace: Optional[list] = None):
         if not isinstance(max_prefill_attempts, int) or max_prefill_attempts < 1:
             raise ValueError(f"max_prefill_attempts must be a positive integer, got {max_prefill_attempts!r}")
         if handoff_timeout_s is not None and not handoff_timeout_s > 0:
@@ -171,8 +186,9 @@ class DecodeScheduler:
         self.waiting: collections.deque = collections.deque()   # (request, timeout_s, options), not reserved
         self.attempts: dict[int, Attempt] = {}                   # request index -> current attempt
         self.remaining = 0
-        self.stats = {"handoff_timeouts": 0, "stale_messages": 0, "pool_full": 0}
+        self.stats = {"handoff_timeouts": 0, "stale_messages": 0, "pool_full": 0, "corrupt_payloads": 0}
         self._options: dict[int, tuple] = {}
+        self.checksum, self.trace = checksum, trace
 
     # ---- the machine ---------------------------------------------------------------------
     def handle(self, event) -> list:
@@ -194,6 +210,8 @@ class DecodeScheduler:
         else:
             self._progress(event, out)
         self._reserve(event.t, out)
+        if self.trace is not None:
+            self.trace.extend((event.t, type(a).__name__, _index(a)) for a in out)
         return out
 
     def deadline(self) -> float:
@@ -221,12 +239,19 @@ class DecodeScheduler:
             a.last = event.t
         elif kind is LayerArrived:
             self.pool.receive_layer(a.res, event.layer, event.rows, event.start)
+            if self.checksum is not None:
+                a.received.append((event.layer, event.start, self.checksum(event.rows)))
             a.request.kv_bytes_sent += event.nbytes
             a.bytes += event.nbytes
             a.last, a.layers = event.t, a.layers + 1
         elif kind is Failed:
             self._retry(a, event.error, event.t, out, fatal=event.fatal)
         elif kind is Ready:
+            bad = self._corrupt(a, event.checksums)
+            if bad:
+                self.stats["corrupt_payloads"] += 1
+                self._retry(a, bad, event.t, out)
+                return
             del self.attempts[event.request]
             req = a.request
             for k, v in (event.info or {}).items():
@@ -239,6 +264,16 @@ class DecodeScheduler:
                 out.append(Admitted(req, slot))
         else:
             raise TypeError(f"unknown scheduler event {event!r}")
+
+    def _corrupt(self, a: Attempt, sent) -> Optional[str]:
+        """Why the chunks that arrived are not the chunks sent, or None (also when unchecked)."""
+        if sent is None or self.checksum is None:
+            return None
+        got = {(l, s): (x, y) for l, s, x, y in checksums_to_host(a.received)}
+        for l, s, x, y in sent:
+            if got.pop((l, s), None) != (x, y):
+                return f"corrupt layer payload: layer {l} rows from {s} arrived with another checksum than sent"
+        return f"layer {next(iter(got))[0]} arrived but was never sent" if got else None
 
     def _expire(self, now: float, out: list) -> None:
         for a in [a for a in self.attempts.values() if now > a.deadline()]:
@@ -269,6 +304,8 @@ class DecodeScheduler:
             res = self.pool.reserve(self.waiting[0])
             if res is None:                        # full: back-pressure until a release
                 self.stats["pool_full"] += 1
+                if self.trace is not None:
+                    self.trace.append((now, "PoolFull", self.waiting[0].index))
                 return
             req = self.waiting.popleft()
             req.prefill_attempts += 1
@@ -297,3 +334,9 @@ class DecodeScheduler:
         self._options.pop(req.index, None)
         self.remaining -= 1
         out.append(Finished(req))
+
+
+def _index(action) -> int:
+    """The request index an action is about."""
+    r = action.attempt.request if isinstance(action, StartPrefill) else action.request
+    return r if isinstance(r, int) else r.index

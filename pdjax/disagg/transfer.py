@@ -64,7 +64,7 @@ class Control:
                 time.sleep(0.05)
 
     def send(self, obj: dict) -> None:
-        data = json.dumps(obj, separators=(",", ":")).encode()
+        data = json.dumps(obj, separators=(",", ":"), default=_plain).encode()
         with self._send_lock:
             self.sock.sendall(_HEADER.pack(len(data)) + data)
 
@@ -95,6 +95,13 @@ class Control:
         except OSError:
             pass
         self.sock.close()
+
+
+def _plain(value):
+    """JSON for numpy scalars and arrays (token ids are often numpy integers)."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
 def listen(host: str = LOOPBACK, port: int = 0) -> socket.socket:
@@ -187,3 +194,23 @@ class KVReceiver:
     @property
     def throughput_Bps(self) -> float:
         return self.bytes_received / self.pull_seconds if self.pull_seconds > 0 else 0.0
+
+
+class TransferLink:
+    """The two-process KV link (see :mod:`pdjax.disagg.link`): ``send`` offers the rows
+    (``sender``: a :class:`KVSender`, prefill side) and returns the transfer descriptor as the
+    payload announced over the control plane; ``receive`` pulls it onto a device
+    (``receiver``: a :class:`KVReceiver`, decode side)."""
+
+    def __init__(self, sender: KVSender | None = None, receiver: KVReceiver | None = None):
+        self.sender, self.receiver = sender, receiver
+
+    def send(self, chunk):
+        desc = self.sender.offer(chunk.rows)
+        return desc, desc["nbytes"]
+
+    def receive(self, payload: dict, device) -> jax.Array:
+        return self.receiver.pull(payload, device)
+
+    def cancel(self, request: int, attempt: int) -> None:
+        pass                    # an offer nobody pulls expires (KVSender ttl_s)

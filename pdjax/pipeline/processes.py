@@ -141,7 +141,7 @@ class RankProcesses:
     def _spawn(self, r: int, extra_env) -> None:
         import jax
 
-        from pdjax.disagg.launcher import child_env
+        from pdjax.disagg.children import child_env
 
         # the parent's numerics and compilation cache, then the caller's extra environment
         config = {name.upper(): str(value) for name in ("jax_default_matmul_precision", "jax_compilation_cache_dir",
@@ -217,7 +217,7 @@ class RankProcesses:
         return [out[r] for r in range(len(msgs))]
 
     def log_tail(self, r: int, chars: int = 3000) -> str:
-        from pdjax.disagg.launcher import file_tail
+        from pdjax.disagg.children import file_tail
 
         return file_tail(os.path.join(self._dir, f"rank{r}.log"), chars)
 
@@ -347,7 +347,7 @@ class RankProcesses:
 # ---- the worker ------------------------------------------------------------------------------
 def _worker(run_dir: str, rank: int, core: int) -> None:
     os.sched_setaffinity(0, {core})          # before jax starts a thread: they all inherit it
-    from pdjax.disagg.launcher import exit_when_orphaned
+    from pdjax.disagg.children import exit_when_orphaned
 
     exit_when_orphaned()
     with open(os.path.join(run_dir, "spec.pkl"), "rb") as f:

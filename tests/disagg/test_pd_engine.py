@@ -7,6 +7,8 @@ import pytest
 from pdjax.disagg import ColocatedEngine, PDEngine, RequestError, SamplingParams
 from pdjax.disagg.prefill import bucket
 
+from faults import Fault, FaultyLink
+
 
 @pytest.fixture(scope="module")
 def prompts(pd_prompts):
@@ -65,17 +67,12 @@ def test_bad_requests_fail_alone(pd, tiny_cfg, prompts, expected):
 
 
 def test_failed_handoff_is_reprefilled(pd, prompts, expected):
-    failed = set()
-
-    def flaky(req, layer):
-        if layer == 1 and req.index not in failed:
-            failed.add(req.index)
-            raise ConnectionError("link dropped")
-    pd.fault_hooks["handoff"] = flaky
+    link = pd.link
+    pd.link = FaultyLink(link, [Fault("fail", layer=1, request=i) for i in range(4)])
     try:
         out = pd.generate(prompts[:4], max_new_tokens=5)
     finally:
-        pd.fault_hooks.clear()
+        pd.link = link
     assert out == expected[:4]
     assert [r["prefill_attempts"] for r in pd.stats["requests"]] == [2] * 4
 

@@ -3,10 +3,10 @@ predicted cost, the colocated engine decoding between chunks, handoff timeouts, 
 transfer-bandwidth signal. Tokens always equal pdjax.generate's."""
 
 import math
-import time
 
 import jax
 import pytest
+from faults import Fault, FaultyLink, ManualClock
 
 from pdjax.analysis.costmodel_fit import PrefillCostFit
 from pdjax.disagg import ColocatedEngine, PDEngine
@@ -71,17 +71,12 @@ def test_cost_model_chunked_prefill(tiny_cfg, chunked, pd_prompts, pd_expected):
 def test_retry_does_not_wait_for_later_arrivals(chunked, pd_prompts, pd_expected):
     """Request 0's handoff fails once; its retry is released at once, not behind request 1,
     which arrives 2.5 s later (its TTFT stays far below that)."""
-    failed = []
-
-    def flaky(req, layer):
-        if req.index == 0 and layer == 1 and not failed:
-            failed.append(req.index)
-            raise ConnectionError("link dropped")
-    chunked.fault_hooks["handoff"] = flaky
+    link = chunked.link
+    chunked.link = FaultyLink(link, [Fault("fail", layer=1, request=0)])
     try:
         out = chunked.generate(pd_prompts[:2], max_new_tokens=5, arrival_times=[0.0, 2.5])
     finally:
-        chunked.fault_hooks.clear()
+        chunked.link = link
     assert out == pd_expected[:2]
     r0 = chunked.stats["requests"][0]
     assert r0["prefill_attempts"] == 2 and r0["ttft"] < 1.5, r0["ttft"]
@@ -112,12 +107,13 @@ def test_prefill_workers_balance_by_predicted_cost(tiny_cfg, tiny_params, pd_pro
 def _interleaving(engine, prompts, max_new_tokens):
     """Program order of the long prompt's layer pushes and the short request's tokens."""
     events = []
-    engine.fault_hooks["handoff"] = lambda req, layer: events.append(("push", req.index))
+    link = engine.link
+    engine.link = FaultyLink(link, on_send=lambda chunk: events.append(("push", chunk.request)))
     try:
         out = engine.generate(prompts, max_new_tokens=max_new_tokens,
                               on_token=lambda i, t: events.append(("token", i)))
     finally:
-        engine.fault_hooks.clear()
+        engine.link = link
     pushes = [k for k, e in enumerate(events) if e == ("push", 1)]
     between = [e for e in events[pushes[0]:pushes[-1]] if e == ("token", 0)]
     return out, len(between)
@@ -140,23 +136,22 @@ def test_colocated_decodes_between_prefill_chunks(tiny_cfg, tiny_params, pd_prom
 
 
 def test_handoff_timeout_reprefills(tiny_cfg, tiny_params, pd_prompts, pd_expected):
+    """The link hangs on request 1's layer 1 while the (manual) clock moves 10 s: past its 1 s
+    deadline the attempt is cancelled (which ends the hung transfer) and prefilled again.
+    No wall-clock sleep: the test is deterministic."""
     eng = PDEngine(tiny_params, tiny_cfg, prefill_devices=jax.devices()[:4], decode_devices=jax.devices()[4:],
                    prefill_mesh={"expert": 4}, decode_mesh={"data": 2, "expert": 2}, max_decode_slots=4,
                    max_context=256)
-    assert eng.generate(pd_prompts[:4], max_new_tokens=5) == pd_expected[:4]      # compiled, warm
-    stalled = set()
-
-    def stall(req, layer):
-        if req.index == 1 and layer == 1 and req.index not in stalled:
-            stalled.add(req.index)
-            time.sleep(3.0)             # the link hangs: no layer arrives for 3 s
     eng.handoff_timeout_s = 1.0
-    eng.fault_hooks["handoff"] = stall
+    clock = ManualClock()
+    link = eng.link
+    eng.link = FaultyLink(link, [Fault("stall", layer=1, request=1, seconds=10.0)], clock=clock)
     try:
-        out = eng.generate(pd_prompts[:4], max_new_tokens=5)
+        out = eng.generate(pd_prompts[:4], max_new_tokens=5, clock=clock)
     finally:
-        eng.fault_hooks.clear()
+        eng.link = link
     assert out == pd_expected[:4]
+    assert eng.link is link and clock.now() == 10.0
     reqs = eng.stats["requests"]
     assert [r["handoff_timeouts"] for r in reqs] == [0, 1, 0, 0]
     assert [r["prefill_attempts"] for r in reqs] == [1, 2, 1, 1]

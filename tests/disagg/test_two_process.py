@@ -12,7 +12,7 @@ import pytest
 
 import pdjax
 from pdjax.disagg import RequestError
-from pdjax.disagg.serve import launch_two_process
+from pdjax.disagg import launch_two_process
 from pdjax.disagg.transfer import Control, KVReceiver, KVSender, listen
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -21,6 +21,7 @@ CHILD_ENV = {"JAX_DEFAULT_MATMUL_PRECISION": "highest",
              "JAX_COMPILATION_CACHE_DIR": os.path.join(ROOT, ".jax_cache"),
              "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"}
 NEW = 5
+FAULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults.py") + ":wrap"
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,8 @@ def expected(tiny_cfg, tiny_params, prompts):
 def server():
     srv = launch_two_process("tiny", 0, prefill_mesh={"expert": 4}, decode_mesh={"data": 2, "expert": 2},
                              block_size=16, max_decode_slots=4, max_context=256, env=CHILD_ENV,
-                             prefix_cache={"device_blocks": 4, "host_blocks": 64}, startup_timeout=60)
+                             prefix_cache={"device_blocks": 4, "host_blocks": 64}, startup_timeout=60,
+                             link_wrapper=FAULTS)
     try:
         yield srv
     finally:
@@ -164,14 +166,14 @@ def test_decode_killed_mid_request_is_restarted_and_reissued(server, prompts, ex
 
 
 def test_stalled_handoff_times_out_and_is_prefilled_again(server, tiny_cfg, prompts, expected):
-    """One request's first attempt stalls before layer 1 is announced (until decode sends it
-    again, at most 30 s); its deadline (2 s without progress) expires: the reservation is
+    """One request's first attempt stalls on the link at layer 1 (until decode cancels it, at
+    most 30 s); its deadline (2 s without progress) expires: the reservation is
     cancelled, ``cancel`` stops the stalled attempt before it sends anything more, and the
     request is prefilled again. The request queued behind it at prefill (same 2 s deadline)
     has not started, so it does not time out. Tokens identical, nothing else retried."""
     slow = len(prompts) - 2
     before = dict(server.stats.get("link", {}))
-    server.inject_prefill_fault(prompt=prompts[slow], stall_layer=1, seconds=30)
+    server.inject_prefill_fault(fault={"kind": "stall", "layer": 1, "tokens": len(prompts[slow])})
     out = server.generate(prompts, max_new_tokens=NEW, timeout=90,
                           handoff_timeout_s=[None] * slow + [2.0, 2.0])
     assert out == expected

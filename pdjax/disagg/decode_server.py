@@ -1,0 +1,186 @@
+"""The decode role of two-process PD serving (``pdjax serve --role decode``).
+
+:class:`DecodeServer` is the router and the continuous-batching loop: the same
+:class:`~pdjax.disagg.loop.DecodeLoop` and :class:`~pdjax.disagg.scheduler.DecodeScheduler`
+as the in-process engines, driven by sockets. A client's ``generate`` is validated (a bad
+request fails alone, before any compute) and submitted; the scheduler's ``StartPrefill``
+becomes a ``prefill`` message to the prefill process, ``CancelPrefill`` a ``cancel``. The
+prefill process's messages become the scheduler's events, stamped by this process's clock;
+a layer of the current attempt is pulled onto the owning rank's device by the reader
+thread before it is queued (so it reaches the loop before its ``ready``); an abandoned
+attempt's layer is never pulled (its offer expires).
+
+If the prefill process dies (its control connection ends), every attempt in flight fails
+(its request is prefilled again), the client is told (``prefill_lost``), and new prefill
+jobs wait until the client sends the address of a restarted prefill process (``prefill``).
+
+Client messages: ``hello{prefill}``, ``generate{request, prompt, max_new_tokens, sampling,
+stop_tokens[, handoff_timeout_s, prefix_cache, retention]}``, ``prefill{address}``,
+``stats``, ``shutdown``; to the client: ``token{request, token}``, ``done{request, tokens |
+error, kv_bytes, prefill_attempts, handoff_timeouts, prefix_hit_tokens, prefix_errors}``,
+``stats{...}``, ``prefill_lost``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+
+import jax
+
+from pdjax.disagg.children import announce_ready
+from pdjax.disagg.decode import DecodePool
+from pdjax.disagg.link import checksum
+from pdjax.disagg.loop import DecodeLoop
+from pdjax.disagg.prefill_server import mesh_devices
+from pdjax.disagg.request import Clock, Request, RequestError, SamplingParams, validate_request
+from pdjax.disagg.scheduler import (CancelPrefill, DecodeScheduler, Failed, Finished, LayerArrived, StartPrefill,
+                                    Submit, Token)
+from pdjax.disagg.transfer import Control, KVReceiver, TransferLink, listen, start_transfer_server
+from pdjax.disagg.wire import PrefillJob, event_from_wire
+
+
+class DecodeServer:
+    def __init__(self, params, cfg, mesh_axes: dict, *, slots: int, block_size: int, max_context: int,
+                 num_blocks: int | None = None, max_prefill_attempts: int = 3, handoff_timeout_s: float = 30.0):
+        if not handoff_timeout_s > 0:
+            raise ValueError(f"handoff_timeout_s must be > 0, got {handoff_timeout_s}")
+        self.cfg, self.max_context, self.handoff_timeout_s = cfg, max_context, handoff_timeout_s
+        self.pool = DecodePool(params, cfg, mesh_devices(mesh_axes), mesh_axes, slots=slots,
+                               block_size=block_size, max_context=max_context, num_blocks=num_blocks)
+        self.server = start_transfer_server(jax.local_devices())
+        self.listener = listen()
+        self.clock = Clock()
+        self.sched = DecodeScheduler(self.pool, max_prefill_attempts=max_prefill_attempts,
+                                     handoff_timeout_s=handoff_timeout_s, checksum=checksum)
+        self.loop = DecodeLoop(self.sched, self.pool, self.clock, self._carry)
+        self.link: TransferLink | None = None
+        self.prefill: Control | None = None     # None: the prefill process is gone, jobs wait
+        self.client: Control | None = None
+        self.unsent: list = []                  # prefill jobs waiting for a prefill process
+        self._generation = 0
+
+    def serve_forever(self) -> None:
+        announce_ready("decode", self.listener, self.server.address())
+        sock, _ = self.listener.accept()
+        self.client = Control(sock)
+        hello = self.client.recv()
+        if not hello or hello.get("op") != "hello":
+            raise ConnectionError(f"expected hello from the client, got {hello!r}")
+        self._connect_prefill(hello["prefill"])
+        threading.Thread(target=self._read_client, daemon=True).start()
+        self.loop.run(until=lambda: False)
+
+    # ---- the prefill connection -----------------------------------------------------------
+    def _connect_prefill(self, address: str) -> None:
+        ctl = Control.connect(address)
+        hello = ctl.recv()
+        if not hello or hello.get("op") != "hello":
+            raise ConnectionError(f"expected hello from the prefill process, got {hello!r}")
+        self.link = TransferLink(receiver=KVReceiver(hello["transfer_address"], self.server))
+        self._generation += 1
+        self.prefill = ctl
+        threading.Thread(target=self._read_prefill, args=(ctl, self.link, self._generation), daemon=True).start()
+        for msg in self.unsent:
+            ctl.send(msg)
+        self.unsent = []
+
+    def _read_prefill(self, ctl: Control, link: TransferLink, generation: int) -> None:
+        """Prefill messages in order, as scheduler events on the loop's inbox."""
+        try:
+            while (msg := ctl.recv()) is not None:
+                event = event_from_wire(msg, self.clock.now())
+                if isinstance(event, LayerArrived):      # pulled only for the current attempt
+                    a = self.sched.attempts.get(event.request)
+                    rows = link.receive(event.rows, self.pool.target_device(a.res)) if self._current(msg) else None
+                    event = dataclasses.replace(event, rows=rows)
+                self.loop.post(event)
+            why = "closed its control connection"
+        except (OSError, ValueError) as e:
+            why = f"failed: {type(e).__name__}: {e}"
+        self.loop.post(functools.partial(self._prefill_lost, generation, why))
+
+    def _prefill_lost(self, generation: int, why: str, loop: DecodeLoop) -> None:
+        if generation != self._generation:
+            return
+        self.prefill = None
+        for a in list(self.sched.attempts.values()):      # queued or running there: lost with it
+            loop.handle(Failed(a.request.index, a.number, f"the prefill process {why}", self.clock.now()))
+        self.unsent = [m for m in self.unsent if m["op"] == "prefill" and self._current(m)]   # its retries only
+        self.client.send({"op": "prefill_lost", "why": why})
+
+    def _current(self, msg: dict) -> bool:
+        a = self.sched.attempts.get(msg["request"])
+        return a is not None and a.number == msg["attempt"]
+
+    # ---- the client connection ------------------------------------------------------------
+    def _read_client(self) -> None:
+        try:
+            while (msg := self.client.recv()) is not None:
+                self.loop.post(functools.partial(self._on_client, msg))
+        except (OSError, ValueError):
+            pass
+        self.loop.post(functools.partial(self._on_client, {"op": "shutdown"}))
+
+    def _on_client(self, msg: dict, loop: DecodeLoop) -> None:
+        op = msg["op"]
+        if op == "shutdown":
+            loop.stopped = True
+        elif op == "prefill":
+            self._connect_prefill(msg["address"])
+        elif op == "stats":
+            r = self.link.receiver
+            self.client.send({"op": "stats", "kv_bytes_received": r.bytes_received, "pulls": r.pulls,
+                              "pull_seconds": r.pull_seconds, "link_throughput_Bps": r.throughput_Bps,
+                              **self.sched.stats})
+        elif op == "generate":
+            event = self._submit(msg)
+            if isinstance(event, Request):            # bad input: fails alone, before any compute
+                self._finish(event)
+            else:
+                loop.handle(event)
+
+    def _submit(self, msg: dict):
+        """A client's ``generate``: the Submit event, or the Request with the error it fails with."""
+        req = Request(msg["request"], list(msg["prompt"]), msg["max_new_tokens"],
+                      stop_tokens=tuple(msg.get("stop_tokens", ())))
+        try:
+            req.sampling = SamplingParams(**msg.get("sampling", {}))
+            validate_request(req, self.cfg.vocab_size, self.max_context)
+            t = msg.get("handoff_timeout_s", self.handoff_timeout_s)
+            if not (isinstance(t, (int, float)) and t > 0):
+                raise RequestError(f"request {req.index}: handoff_timeout_s must be > 0, got {t!r}")
+        except RequestError as e:
+            req.error = e
+            return req
+        return Submit(req, self.clock.now(), timeout_s=t,
+                      options=(bool(msg.get("prefix_cache", True)), msg.get("retention", "chat")))
+
+    # ---- the scheduler's actions ------------------------------------------------------------
+    def _carry(self, actions) -> None:
+        for a in actions:
+            if isinstance(a, StartPrefill):
+                self._to_prefill(PrefillJob.of(a.attempt).to_wire())
+            elif isinstance(a, CancelPrefill):
+                self._to_prefill({"op": "cancel", "request": a.request, "attempt": a.attempt})
+            elif isinstance(a, Token):
+                self.client.send({"op": "token", "request": a.request.index, "token": a.token})
+            elif isinstance(a, Finished):
+                self._finish(a.request)
+
+    def _to_prefill(self, msg: dict) -> None:
+        if self.prefill is None:                  # no prefill process now: held until one connects
+            self.unsent.append(msg)
+            return
+        try:
+            self.prefill.send(msg)
+        except OSError:                           # it just died: its reader reports the loss
+            self.unsent.append(msg)
+
+    def _finish(self, req: Request) -> None:
+        out = {"op": "done", "request": req.index, "kv_bytes": req.kv_bytes_sent,
+               "prefill_attempts": req.prefill_attempts, "handoff_timeouts": req.handoff_timeouts,
+               "prefix_hit_tokens": req.prefix_hit_tokens, "prefix_errors": list(req.prefix_errors)}
+        out.update({"error": str(req.error)} if req.error else {"tokens": req.output})
+        self.client.send(out)

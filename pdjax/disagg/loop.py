@@ -1,0 +1,86 @@
+"""The decode side's driver loop: one copy for the in-process engines and the decode process.
+
+:class:`DecodeLoop` feeds a :class:`~pdjax.disagg.scheduler.DecodeScheduler` its events and
+hands the actions it answers to ``carry`` (the driver: prefill workers in threads, or
+control messages to a prefill process). Anything may ``post`` to its inbox from any thread:
+scheduler events (stamped by the poster's clock, the loop's own) or callables
+``f(loop)``, run on the loop's thread (control: a client's request, a restart, a shutdown).
+Each turn releases the arrivals that are due, takes what is in the inbox (waiting only when
+no request is running), ticks the scheduler's deadlines, and steps the running batch once
+(under ``step_lock``: a colocated engine's pool lock).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+import queue
+
+from pdjax.disagg.scheduler import Stepped, Tick
+
+
+class DecodeLoop:
+    """``clock``: ``now()`` in seconds (injectable: fault tests drive time by hand; waits are
+    real and never longer than ``idle_wait_s``). ``on_event(event)``, ``on_turn()``: optional
+    observers (the engines' signal sampling)."""
+
+    def __init__(self, sched, pool, clock, carry, *, step_lock=None, on_event=None, on_turn=None,
+                 idle_wait_s: float = 0.1):
+        self.sched, self.pool, self.clock, self.carry = sched, pool, clock, carry
+        self.step_lock = step_lock or contextlib.nullcontext()
+        self.on_event, self.on_turn = on_event, on_turn
+        self.idle_wait_s = idle_wait_s
+        self.inbox: queue.Queue = queue.Queue()
+        self.stopped = False
+
+    def post(self, item) -> None:
+        """Queue a scheduler event or a callable ``f(loop)`` (thread-safe)."""
+        self.inbox.put(item)
+
+    def handle(self, event) -> None:
+        """Give the scheduler one event and carry out its actions (on the loop's thread)."""
+        if self.on_event is not None:
+            self.on_event(event)
+        self.carry(self.sched.handle(event))
+
+    def run(self, arrivals=(), until=None) -> None:
+        """Serve until ``until()`` (default: every arrival released and every request ended)
+        or a posted callable sets ``loop.stopped``. ``arrivals``: Submit events in time order,
+        each released when the clock reaches its ``t``."""
+        upcoming = collections.deque(arrivals)
+        if until is None:
+            until = lambda: not upcoming and self.sched.remaining == 0       # noqa: E731
+        while not self.stopped and not until():
+            while upcoming and upcoming[0].t <= self.clock.now():
+                self.handle(upcoming.popleft())
+            for item in self._take(upcoming):
+                if callable(item):
+                    item(self)
+                else:
+                    self.handle(item)
+                if self.stopped:
+                    return
+            self.handle(Tick(self.clock.now()))
+            if self.on_turn is not None:
+                self.on_turn()
+            if self.sched.running:
+                with self.step_lock:
+                    tokens = self.pool.step()
+                self.handle(Stepped(tokens, self.clock.now()))
+
+    def _take(self, upcoming) -> list:
+        """What is in the inbox; when idle, wait for the first item, the next arrival or the
+        next deadline (at most ``idle_wait_s`` of real time)."""
+        items = []
+        if not self.sched.running:
+            wake = min(upcoming[0].t if upcoming else math.inf, self.sched.deadline())
+            try:
+                items.append(self.inbox.get(timeout=min(max(wake - self.clock.now(), 0.0), self.idle_wait_s)))
+            except queue.Empty:
+                pass
+        while True:
+            try:
+                items.append(self.inbox.get_nowait())
+            except queue.Empty:
+                return items

@@ -1,0 +1,116 @@
+"""The prefill role of two-process PD serving (``pdjax serve --role prefill``).
+
+:class:`PrefillServer` accepts decode connections on a loopback control socket and runs
+their ``prefill`` jobs one at a time, in order, with the same
+:class:`~pdjax.disagg.worker.PrefillWorker` the in-process engines use: each layer's rows
+are offered on a :class:`~pdjax.disagg.transfer.TransferLink` (``jax.experimental.transfer``)
+and announced as soon as the layer is dispatched (the pull overlaps the next layer's
+compute); then ``ready`` with the first token and the chunks' checksums. ``cancel`` stops an
+attempt the decode side abandoned (dropped if queued, stopped at its next layer if running).
+A connection that closes drops its queued jobs (their offers expire).
+
+``link_wrapper``: ``"path/to/file.py:factory"``, ``factory(link, server) -> link`` wraps the
+transfer link (the fault tests inject failures, stalls, corruption and death this way); a
+``fault`` control message on a connection of its own is passed to the wrapper's
+``arm(message) -> reply``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import queue
+import sys
+import threading
+
+import jax
+
+from pdjax.disagg.children import announce_ready
+from pdjax.disagg.prefill import PrefillPool
+from pdjax.disagg.prefix_store import PrefixStore
+from pdjax.disagg.request import Clock
+from pdjax.disagg.transfer import Control, KVSender, TransferLink, listen, start_transfer_server
+from pdjax.disagg.wire import PrefillJob, event_to_wire
+from pdjax.disagg.worker import PrefillWorker
+
+
+def mesh_devices(mesh_axes: dict) -> list:
+    """This process's first prod(mesh) devices (ValueError if it has fewer)."""
+    n = 1
+    for v in mesh_axes.values():
+        n *= v
+    devices = jax.local_devices()
+    if n > len(devices):
+        raise ValueError(f"mesh {mesh_axes} needs {n} devices, this process has {len(devices)}")
+    return devices[:n]
+
+
+def load_wrapper(spec: str):
+    """``"path/to/file.py:name"`` -> that module attribute (loaded from the file)."""
+    path, _, name = spec.rpartition(":")
+    if not path or not name:
+        raise ValueError(f"a link wrapper is path/to/file.py:name, got {spec!r}")
+    module_spec = importlib.util.spec_from_file_location("pdjax_link_wrapper", path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_spec.name] = module             # dataclasses look their module up
+    module_spec.loader.exec_module(module)
+    return getattr(module, name)
+
+
+class PrefillServer:
+    """``prefix_cache``: None or PrefixStore options (default 0 device, 256 host blocks)."""
+
+    def __init__(self, params, cfg, mesh_axes: dict, *, block_size: int = 16, prefix_cache: dict | None = None,
+                 link_wrapper: str | None = None):
+        self.pool = PrefillPool(params, cfg, mesh_devices(mesh_axes), mesh_axes)
+        self.store = None
+        if prefix_cache is not None:
+            self.store = PrefixStore(cfg, block_size, dtype=cfg.kv_cache_dtype, device=self.pool.replicated,
+                                     **{"device_blocks": 0, "host_blocks": 256, **prefix_cache})
+        self.sender = KVSender(start_transfer_server(jax.local_devices()))
+        self.link = TransferLink(sender=self.sender)
+        if link_wrapper:
+            self.link = load_wrapper(link_wrapper)(self.link, self)
+        self.worker = PrefillWorker(self.pool, self.link, Clock(), store=self.store)
+        self.listener = listen()
+        self.jobs: queue.Queue = queue.Queue()
+
+    def serve_forever(self) -> None:
+        announce_ready("prefill", self.listener, self.sender.address)
+        threading.Thread(target=self._accept, daemon=True).start()
+        while True:
+            ctl, job = self.jobs.get()
+            if job is None:
+                return
+            if ctl.closed:
+                continue
+            try:
+                self.worker.run(job, lambda event: ctl.send(event_to_wire(event)))
+            except OSError:                   # the decode process went away
+                ctl.closed = True
+
+    def _accept(self) -> None:
+        while True:
+            sock, _ = self.listener.accept()
+            ctl = Control(sock)
+            try:
+                ctl.send({"op": "hello", "transfer_address": self.sender.address})
+            except OSError:
+                continue
+            threading.Thread(target=self._read, args=(ctl,), daemon=True).start()
+
+    def _read(self, ctl: Control) -> None:
+        try:
+            while (msg := ctl.recv()) is not None:
+                op = msg.get("op")
+                if op == "fault":
+                    arm = getattr(self.link, "arm", None)
+                    ctl.send(arm(msg) if arm else {"op": "fault", "ok": False, "error": "no fault-injecting link"})
+                elif op == "cancel":              # at once: the attempt may be queued or running
+                    self.worker.cancel(msg["request"], msg["attempt"])
+                elif op == "prefill":
+                    self.jobs.put((ctl, PrefillJob.from_wire(msg)))
+                elif op == "shutdown":
+                    self.jobs.put((ctl, None))
+        except (OSError, ValueError):
+            pass
+        ctl.closed = True                      # its queued jobs are dropped; its offers expire

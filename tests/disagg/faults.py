@@ -1,0 +1,143 @@
+"""Test-only fault injection at the KV link: :class:`FaultyLink` wraps any link
+(:mod:`pdjax.disagg.link`) and fails, stalls, delays, corrupts or kills on chosen chunks;
+:class:`ManualClock` lets a test drive the engines' time by hand. The two-process server
+loads :func:`wrap` in its prefill process (``link_wrapper="tests/disagg/faults.py:wrap"``)
+and arms faults there with ``fault`` control messages (:meth:`FaultyLink.arm`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+
+from pdjax.disagg.link import Cancelled
+
+
+class ManualClock:
+    """``now()`` moves only when a test (or a fault) calls ``advance``."""
+
+    def __init__(self):
+        self.t = 0.0
+        self._lock = threading.Lock()
+
+    def now(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self.t += seconds
+
+
+class WorkerKilled(BaseException):
+    """The in-process stand-in of a prefill process dying mid-transfer (not an Exception:
+    nothing on the way catches it as a failed attempt)."""
+
+
+@dataclasses.dataclass
+class Fault:
+    """``kind`` on the chunk of ``layer`` of ``attempt`` (of ``request``, or of any request
+    whose prompt has ``tokens`` tokens), ``times`` times. ``seconds``: a delay's length, or
+    how far a stall moves a ManualClock (with a real clock a stall lasts until the attempt
+    is cancelled, at most ``max_wait_s``)."""
+    kind: str                      # "fail" | "stall" | "delay" | "corrupt" | "kill"
+    layer: int = 1
+    attempt: int = 1
+    request: int | None = None
+    tokens: int | None = None
+    seconds: float = 0.0
+    times: int = 1
+    max_wait_s: float = 30.0
+
+    def matches(self, chunk) -> bool:
+        return (self.times > 0 and chunk.layer == self.layer and chunk.attempt == self.attempt
+                and (self.request is None or chunk.request == self.request)
+                and (self.tokens is None or chunk.start + chunk.rows.shape[0] == self.tokens))
+
+
+def flip_bit(rows):
+    """``rows`` with the lowest bit of its first element flipped (a corrupt byte on the wire)."""
+    uint = jnp.dtype(f"uint{8 * rows.dtype.itemsize}")
+    bits = jax.lax.bitcast_convert_type(rows, uint)
+    bits = bits.at[(0,) * bits.ndim].set(bits[(0,) * bits.ndim] ^ jnp.asarray(1, uint))
+    return jax.device_put(jax.lax.bitcast_convert_type(bits, rows.dtype), rows.sharding)
+
+
+class FaultyLink:
+    """Wraps ``inner``; ``faults``: :class:`Fault` s armed now (more with ``arm``). ``fired``:
+    (kind, request, attempt, layer) of every fault that went off; ``sent``: (request,
+    attempt, layer, start) of every chunk that went through. ``clock``: a ManualClock that
+    stalls and delays advance (None: they take real time); ``on_send(chunk)``: called for
+    every chunk before it goes (a recorder)."""
+
+    def __init__(self, inner, faults=(), clock=None, server=None, on_send=None):
+        self.inner, self.clock, self.server, self.on_send = inner, clock, server, on_send
+        self.faults = list(faults)
+        self.fired: list = []
+        self.sent: list = []
+        self._cancels: dict = {}
+        self._lock = threading.Lock()
+
+    def send(self, chunk):
+        with self._lock:
+            fault = next((f for f in self.faults if f.matches(chunk)), None)
+            if fault is not None:
+                fault.times -= 1
+                self.fired.append((fault.kind, chunk.request, chunk.attempt, chunk.layer))
+        if self.on_send is not None:
+            self.on_send(chunk)
+        if fault is not None:
+            chunk = self._inject(fault, chunk)
+        self.sent.append((chunk.request, chunk.attempt, chunk.layer, chunk.start))
+        return self.inner.send(chunk)
+
+    def _inject(self, fault: Fault, chunk):
+        key = (chunk.request, chunk.attempt)
+        if fault.kind == "fail":
+            raise ConnectionError(f"injected: the transfer of layer {chunk.layer} failed")
+        if fault.kind == "kill":
+            if self.server is not None:               # a real process: die now
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise WorkerKilled(f"injected: the prefill worker died sending layer {chunk.layer}")
+        if fault.kind == "corrupt":
+            return dataclasses.replace(chunk, rows=flip_bit(chunk.rows))
+        if fault.kind == "delay":
+            self.clock.advance(fault.seconds) if self.clock else time.sleep(fault.seconds)
+            return chunk
+        if fault.kind == "stall":                     # hangs until the decode side gives up on it
+            event = self._cancels.setdefault(key, threading.Event())
+            if self.clock is not None:
+                self.clock.advance(fault.seconds)
+            if event.wait(fault.max_wait_s):
+                raise Cancelled()
+            return chunk
+        raise ValueError(f"unknown fault kind {fault.kind!r}")
+
+    def receive(self, payload, device):
+        return self.inner.receive(payload, device)
+
+    def cancel(self, request: int, attempt: int) -> None:
+        self._cancels.setdefault((request, attempt), threading.Event()).set()
+        self.inner.cancel(request, attempt)
+
+    def arm(self, msg: dict) -> dict:
+        """A ``fault`` control message: ``{"fault": {Fault fields}}`` arms a link fault;
+        ``{"corrupt_prefix": prompt}`` flips a byte of the prompt's first cached block."""
+        try:
+            if "corrupt_prefix" in msg:
+                store = self.server.store
+                return {"op": "fault", "ok": True, "tier": store._corrupt(store.hashes(msg["corrupt_prefix"])[0])}
+            with self._lock:
+                self.faults.append(Fault(**msg["fault"]))
+            return {"op": "fault", "ok": True}
+        except (AttributeError, KeyError, TypeError, ValueError, IndexError) as e:
+            return {"op": "fault", "ok": False, "error": f"{type(e).__name__}: {e}"}
+
+
+def wrap(link, server) -> FaultyLink:
+    """The prefill process's link wrapper (``--link-wrapper tests/disagg/faults.py:wrap``)."""
+    return FaultyLink(link, server=server)
