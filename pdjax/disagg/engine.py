@@ -116,6 +116,7 @@ class PDEngine:
                                      device=self.prefill.replicated, **opts)
         # the KV link (tests wrap it to inject faults); colocated: nothing crosses a link
         self.link = DevicePutLink(self.decode.rank_devices, count_bytes=not colocated)
+        self.timeline = None            # a Timeline: record the prefill compute and KV copies of generate
         self.stats: dict = {}
 
     # ---- prefill side --------------------------------------------------------------------
@@ -237,7 +238,7 @@ class PDEngine:
                       "prefill_queue_depth_mean": float(np.mean(depths)),
                       "decode_kv_wait_p95_s": float(np.percentile(waits, 95)) if waits else 0.0,
                       "handoff_timeouts": sum(r.handoff_timeouts for r in reqs),
-                      "stale_messages": sched.stats["stale_messages"], "pool_full": sched.stats["pool_full"],
+                      **{k: v for k, v in sched.stats.items() if k != "handoff_timeouts"},
                       "signals": signals.rows,
                       "failed": sum(r.error is not None for r in reqs)}
 
@@ -262,7 +263,7 @@ class _Run:
         self.eng, self.sched, self.clock, self.on_token = eng, sched, clock, on_token
         self.jobs = [queue.Queue() for _ in eng.prefills]
         self.workers = [PrefillWorker(pool, eng.link, clock, store=eng.store, chunk=eng._chunker(pool),
-                                      step_lock=eng._pool_lock) for pool in eng.prefills]
+                                      step_lock=eng._pool_lock, timeline=eng.timeline) for pool in eng.prefills]
         self.signals = Signals(eng.link_bandwidth_Bps, lambda: sum(q.qsize() for q in self.jobs) + len(sched.waiting),
                                clock)
         self.loop = DecodeLoop(sched, eng.decode, clock, self.carry, step_lock=eng._pool_lock,

@@ -27,10 +27,12 @@ class PrefillWorker:
     """Runs prefill jobs on ``pool`` (a :class:`~pdjax.disagg.prefill.PrefillPool`), sending
     each layer's rows on ``link``. ``chunk``: what ``PrefillPool.run`` takes (None, a size,
     or chunk(position)); ``step_lock``: held around each chunk (a colocated engine);
-    ``clock``: stamps the events (``now()``)."""
+    ``clock``: stamps the events (``now()``); ``timeline``: a
+    :class:`~pdjax.disagg.timeline.Timeline` recording each layer's compute and each chunk's
+    copy (when the link's payload is an array), issued and ready."""
 
-    def __init__(self, pool, link, clock, *, store=None, chunk=None, step_lock=None):
-        self.pool, self.link, self.clock, self.store = pool, link, clock, store
+    def __init__(self, pool, link, clock, *, store=None, chunk=None, step_lock=None, timeline=None):
+        self.pool, self.link, self.clock, self.store, self.timeline = pool, link, clock, store, timeline
         self.chunk, self.step_lock = chunk, step_lock or contextlib.nullcontext()
         self._cancelled: set = set()
         self._lock = threading.Lock()
@@ -68,11 +70,14 @@ class PrefillWorker:
                 raise Cancelled()
             sums.append((layer, start, checksum(rows)))
             payload, nbytes = self.link.send(Chunk(job.request, job.attempt, layer, start, rows, job.rank))
+            if self.timeline is not None and hasattr(payload, "block_until_ready"):
+                self.timeline.record("kv transfer", f"layer {layer}", payload)
             emit(LayerArrived(job.request, job.attempt, layer, payload, start, nbytes, self.clock.now()))
         try:
             emit(Started(job.request, job.attempt, self.clock.now()))
             prefix = self._cached_prefix(req) if use_store else None
-            tok, rows = self.pool.run(req, push, prefix, chunk=self.chunk, step_lock=self.step_lock)
+            tok, rows = self.pool.run(req, push, prefix, chunk=self.chunk, step_lock=self.step_lock,
+                                      timeline=self.timeline)
             info = {"prefix_hit_tokens": req.prefix_hit_tokens, "prefix_errors": list(req.prefix_errors),
                     "prefill_chunks": list(req.prefill_chunks)}
             emit(Ready(job.request, job.attempt, tok, self.clock.now(), info, checksums_to_host(sums)))

@@ -141,3 +141,30 @@ class FaultyLink:
 def wrap(link, server) -> FaultyLink:
     """The prefill process's link wrapper (``--link-wrapper tests/disagg/faults.py:wrap``)."""
     return FaultyLink(link, server=server)
+
+
+@jax.jit
+def _slow_identity(x, m):
+    """``x`` unchanged, ready only after a chain of matmuls on ``m``'s device (``x + 0 * s``
+    with s finite is ``x`` exactly)."""
+    s = jax.lax.fori_loop(0, 64, lambda i, m: jnp.tanh(m @ m), m)[0, 0]
+    return x + jnp.asarray(0, x.dtype) * s.astype(x.dtype)
+
+
+class SlowLink:
+    """A link whose copies take ~0.1 s of device time each, asynchronously
+    (the sender is not held up): the wire is slower than the layers' compute."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def send(self, chunk):
+        payload, nbytes = self.inner.send(chunk)
+        m = jax.device_put(jnp.full((320, 320), 0.01, jnp.float32), list(payload.devices())[0])
+        return _slow_identity(payload, m), nbytes
+
+    def receive(self, payload, device):
+        return self.inner.receive(payload, device)
+
+    def cancel(self, request: int, attempt: int) -> None:
+        self.inner.cancel(request, attempt)

@@ -119,7 +119,7 @@ def _interleaving(engine, prompts, max_new_tokens):
     return out, len(between)
 
 
-def test_colocated_decodes_between_prefill_chunks(tiny_cfg, tiny_params, pd_prompts):
+def test_colocated_decodes_between_prefill_chunks(tiny_cfg, tiny_params, pd_prompts, pd_expected):
     """A 200-token prompt lands while a request decodes. Unchunked, the colocated pool runs
     it as one step (at most the token of a step already under way slips in); in 16-token
     chunks, decode steps run between the chunks."""
@@ -131,6 +131,8 @@ def test_colocated_decodes_between_prefill_chunks(tiny_cfg, tiny_params, pd_prom
     _interleaving(chunks, [short, long], [40, 2])      # compile first: the decode loop that
     out_c, n_c = _interleaving(chunks, [short, long], [40, 2])   # compiles cannot queue for the lock
     assert out_c == out_w
+    # without a prefix cache the colocated engine gives pdjax.generate's tokens too
+    assert out_w[0][:5] == pd_expected[1] and out_w[1] == pd_expected[2][:2]
     assert chunks.stats["requests"][1]["prefill_chunks"] == [16] * 12 + [8]
     assert n_w <= 1 and n_c >= 2, (n_w, n_c)
 

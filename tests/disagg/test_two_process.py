@@ -4,6 +4,7 @@ process's prefix cache off and on (hits, a corrupt block recomputed), receive ex
 latent rows, survive a decode process killed mid-request, and re-prefill a request whose
 handoff stalls past its deadline."""
 
+import collections
 import os
 
 import jax
@@ -185,3 +186,40 @@ def test_stalled_handoff_times_out_and_is_prefilled_again(server, tiny_cfg, prom
     assert link["handoff_timeouts"] - before.get("handoff_timeouts", 0) == 1
     # the abandoned attempt was cancelled before it sent layer 1: no late message at all
     assert link["stale_messages"] - before.get("stale_messages", 0) == 0
+
+
+def test_link_faults_in_the_prefill_process_are_survived(server, tiny_cfg, prompts, expected):
+    """Armed in the prefill process's link (tests/disagg/faults.py, loaded there): request 1's
+    layer 1 fails to transfer, request 2's layer 2 arrives corrupt (one bit flipped on the
+    wire; decode's checksum catches it before admission). Both are prefilled again; every
+    token is pulled and streamed once; the other requests need one attempt."""
+    before = dict(server.stats.get("link", {}))
+    server.inject_prefill_fault(fault={"kind": "fail", "layer": 1, "tokens": len(prompts[1])})
+    server.inject_prefill_fault(fault={"kind": "corrupt", "layer": 2, "tokens": len(prompts[2])})
+    streamed = collections.defaultdict(list)
+    out = server.generate(prompts, max_new_tokens=NEW, timeout=90, use_prefix_cache=False,
+                          on_token=lambda i, t: streamed[i].append(t))
+    assert out == expected and dict(streamed) == dict(enumerate(expected))
+    stats = server.stats["requests"]
+    assert [r["prefill_attempts"] for r in stats] == [1, 2, 2, 1, 1]
+    assert [r["kv_bytes_received"] for r in stats] == [len(p) * _row_bytes(tiny_cfg) for p in prompts]
+    link = server.stats["link"]
+    assert link["corrupt_payloads"] - before.get("corrupt_payloads", 0) == 1
+
+
+def test_killed_prefill_process_is_restarted_and_its_requests_reissued(server, prompts, expected):
+    """The prefill process dies (SIGKILL, from its link) sending request 2's layer 1: decode
+    fails the attempts it held (request 2 and the ones queued behind it), the launcher starts
+    a new prefill process and gives decode its address, and decode prefills them again.
+    Requests done before are untouched; every token is streamed once. (Last in the module:
+    the new prefill process starts with an empty prefix cache.)"""
+    old = server.procs["prefill"][0]
+    server.inject_prefill_fault(fault={"kind": "kill", "layer": 1, "tokens": len(prompts[2])})
+    streamed = collections.defaultdict(list)
+    out = server.generate(prompts, max_new_tokens=NEW, timeout=120, use_prefix_cache=False,
+                          on_token=lambda i, t: streamed[i].append(t))
+    assert out == expected and dict(streamed) == dict(enumerate(expected))
+    assert old.poll() is not None and server.procs["prefill"][0].pid != old.pid
+    assert server.stats["prefill_restarts"] == 1 and server.stats["decode_restarts"] == 1   # 1: the kill test above
+    attempts = [r["prefill_attempts"] for r in server.stats["requests"]]
+    assert attempts[:4] == [1, 1, 2, 2] and attempts[4] in (1, 2), attempts
