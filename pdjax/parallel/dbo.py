@@ -5,12 +5,18 @@ Program order inside each MoE layer (``run_layers_dbo``)::
 
     attn(0) dispatch(0) | attn(1) experts(0) dispatch(1) | combine(0) experts(1) | combine(1)
 
+That is the lowered program's (StableHLO's) order. Per stream it is compute attn(0) attn(1)
+experts(0) experts(1), communication dispatch(0) dispatch(1) combine(0) combine(1), the
+order ``overlap_timeline`` assumes, and no collective depends on both micro-batches
+(tests/parallel/test_dbo.py checks both on the lowered module).
+
 Each micro-batch computes exactly what it would alone, so the output equals no overlap
 (and the single-device model). Whether the communication actually overlaps is up to the
-XLA scheduler and backend (XLA:CPU runs collectives synchronously); ``overlap_timeline``
-predicts the step time with and without DBO from op times, on two streams (compute and
-communication), for the experiment that plots the gain against the compute:communication
-ratio.
+XLA scheduler and backend: the scheduler may reorder the program (XLA:CPU's scheduled HLO
+is the same as for the halves run one after the other) and XLA:CPU runs collectives
+synchronously. ``overlap_timeline`` predicts the step time with and without DBO from op
+times, on two streams (compute and communication), for the experiment that plots the gain
+against the compute:communication ratio.
 """
 
 from __future__ import annotations
