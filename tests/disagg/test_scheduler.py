@@ -1,10 +1,12 @@
-"""The decode scheduler as a state machine (no jax): random arrivals, prefill progress,
-failures, stale messages of abandoned attempts, timeouts and decode steps. Every request
-ends exactly once, tokens are never lost or duplicated, blocks are never leaked or freed
-twice, and a layer is never written into a cancelled or running reservation."""
+"""The decode scheduler as a state machine (a fake pool; the only jax is the checksum
+comparison): random arrivals, prefill progress, failures, corrupt payloads, stale messages
+of abandoned attempts, timeouts and decode steps. Every request ends exactly once, tokens
+are never lost or duplicated, blocks are never leaked or freed twice, a layer is never
+written into a cancelled or running reservation, and a corrupt attempt is never admitted."""
 
 import math
 
+import jax.numpy as jnp
 import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -14,6 +16,11 @@ from pdjax.disagg.scheduler import (CancelPrefill, DecodeScheduler, Failed, Fini
                                     Started, StartPrefill, Stepped, Submit, Tick, Token)
 
 LAYERS, BLOCK, STOP = 3, 8, 99
+
+
+def fake_checksum(rows):
+    """The fake pool's rows are a row count: its checksum, as a device array like link.checksum's."""
+    return jnp.array([rows, 7], jnp.uint32)
 
 
 class FakeReservation:
@@ -71,7 +78,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.pool = FakePool(slots=3, blocks=12)
-        self.s = DecodeScheduler(self.pool, max_prefill_attempts=3, handoff_timeout_s=5.0)
+        self.s = DecodeScheduler(self.pool, max_prefill_attempts=3, handoff_timeout_s=5.0, checksum=fake_checksum)
         self.t = 0.0
         self.requests: list[Request] = []
         self.ended: dict[int, int] = {}             # request index -> Finished count
@@ -110,7 +117,15 @@ class SchedulerMachine(RuleBasedStateMachine):
             self._do(LayerArrived(idx, n, sent, len(self.requests[idx].prompt), 0, 10, self.t))
             if f[2] == LAYERS:                       # all sent: the prefill is ready
                 self.flights.remove(f)
-                self._do(Ready(idx, n, data.draw(st.sampled_from([5, STOP])), self.t))
+                T = len(self.requests[idx].prompt)
+                corrupt = data.draw(st.sampled_from([None, 0, 1, 2]))       # a layer that arrived altered
+                sums = [[l, 0, T + (l == corrupt), 7] for l in range(LAYERS)]
+                current = idx in self.s.attempts and self.s.attempts[idx].number == n
+                self._do(Ready(idx, n, data.draw(st.sampled_from([5, STOP])), self.t, checksums=sums))
+                if corrupt is not None and current:
+                    req = self.requests[idx]
+                    assert all(r is None or r.request is not req for r in self.pool.slot_req), "corrupt admitted"
+                    assert not req.output, "a token of a corrupt attempt"
         elif what in ("failed", "fatal"):
             self.flights.remove(f)
             self._do(Failed(idx, n, "link dropped", self.t, fatal=what == "fatal"))
