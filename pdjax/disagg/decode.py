@@ -74,11 +74,20 @@ class SlotState:
         return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
 
 
+def sample_or_greedy(logits_SV, temperature_S, top_p_S, seed_S, step_S):
+    """:func:`pdjax.disagg.request.sample`, skipping its sort over the vocabulary when no row
+    samples (every temperature 0): then the tokens are its greedy ones, the argmax."""
+    def greedy():
+        return jnp.argmax(logits_SV, axis=-1).astype(jnp.int32)
+    return jax.lax.cond(jnp.any(temperature_S > 0),
+                        lambda: sample(logits_SV, temperature_S, top_p_S, seed_S, step_S), greedy)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "moe_impl"), donate_argnames=("cache", "state"))
 def _step(params, cfg, cache, state, moe_impl):
     """One decode step of every slot: (sampled tokens [slots], cache, state advanced)."""
     logits, cache = decode_core(params, cfg, state.last_token, cache, moe_impl, state.valid)
-    toks = sample(logits, state.temperature, state.top_p, state.seed, state.gen)
+    toks = sample_or_greedy(logits, state.temperature, state.top_p, state.seed, state.gen)
     state = dataclasses.replace(state, last_token=jnp.where(state.valid, toks, state.last_token),
                                 gen=state.gen + state.valid.astype(jnp.int32))
     return toks, cache, state
