@@ -74,20 +74,17 @@ class SlotState:
         return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
 
 
-def sample_or_greedy(logits_SV, temperature_S, top_p_S, seed_S, step_S):
-    """:func:`pdjax.disagg.request.sample`, skipping its sort over the vocabulary when no row
-    samples (every temperature 0): then the tokens are its greedy ones, the argmax."""
-    def greedy():
-        return jnp.argmax(logits_SV, axis=-1).astype(jnp.int32)
-    return jax.lax.cond(jnp.any(temperature_S > 0),
-                        lambda: sample(logits_SV, temperature_S, top_p_S, seed_S, step_S), greedy)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "moe_impl"), donate_argnames=("cache", "state"))
-def _step(params, cfg, cache, state, moe_impl):
-    """One decode step of every slot: (sampled tokens [slots], cache, state advanced)."""
+@functools.partial(jax.jit, static_argnames=("cfg", "moe_impl", "sampling"), donate_argnames=("cache", "state"))
+def _step(params, cfg, cache, state, moe_impl, sampling=True):
+    """One decode step of every slot: (sampled tokens [slots], cache, state advanced).
+    ``sampling=False`` (static; every running slot greedy) takes the argmax, which is what
+    :func:`pdjax.disagg.request.sample` returns at temperature 0, without its sort over the
+    vocabulary (and without reducing the temperatures over the mesh to find out)."""
     logits, cache = decode_core(params, cfg, state.last_token, cache, moe_impl, state.valid)
-    toks = sample_or_greedy(logits, state.temperature, state.top_p, state.seed, state.gen)
+    if sampling:
+        toks = sample(logits, state.temperature, state.top_p, state.seed, state.gen)
+    else:
+        toks = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     state = dataclasses.replace(state, last_token=jnp.where(state.valid, toks, state.last_token),
                                 gen=state.gen + state.valid.astype(jnp.int32))
     return toks, cache, state
@@ -243,13 +240,15 @@ class DecodePool:
         """One decode step over all slots; returns {slot: new token} for the active ones.
 
         Everything per slot is already on the devices (:class:`SlotState`); the attention reads
-        only the first :meth:`view_blocks` blocks of each slot. The sampled tokens are the
-        step's one device-to-host transfer."""
+        only the first :meth:`view_blocks` blocks of each slot; a batch of greedy requests
+        skips the sampling (both static choices, made from host state). The sampled tokens are
+        the step's one device-to-host transfer."""
         active = self.active
         if not active:
             return {}
         self.cache = self.cache.with_view(self.view_blocks())
-        toks, self.cache, self.state = _step(self.params, self.cfg, self.cache, self.state, self.ep)
+        sampling = any(self.slot_req[s].request.sampling.temperature > 0 for s in active)
+        toks, self.cache, self.state = _step(self.params, self.cfg, self.cache, self.state, self.ep, sampling)
         toks = jax.device_get(toks)
         self.kv_len[active] += 1
         return {s: int(toks[s]) for s in active}

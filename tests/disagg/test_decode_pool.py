@@ -64,7 +64,7 @@ def _view_lengths(pool):
     """Token lengths S of every [b, S, C+R] array in the lowered program of the next step."""
     W = pool.cfg.kv_latent_dim
     text = decode._step.lower(pool.params, pool.cfg, pool.cache.with_view(pool.view_blocks()), pool.state,
-                              pool.ep).as_text()
+                              pool.ep, False).as_text()                 # greedy, as the step runs
     return {int(s) for s in re.findall(rf"tensor<\d+x(\d+)x{W}xf32>", text)}
 
 
