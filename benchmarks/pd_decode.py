@@ -149,7 +149,7 @@ def _insert_row(params, cfg, args, blocks: int, copy_rows, undonated) -> str:
     """One table row of part 2: a DP2 pool of ``blocks`` blocks per rank."""
     T = args.chunk
     pool = DecodePool(params, cfg, jax.devices()[:2], {"data": 2}, slots=2, block_size=args.block_size,
-                      max_context=T, num_blocks=blocks)
+                      max_context=T + 1, num_blocks=blocks)
     res = pool.reserve(Request(0, [1] * T, 1))
     dev = pool.target_device(res)
     rows = jax.device_put(np.ones((T, cfg.kv_latent_dim), cfg.kv_cache_dtype), dev)
@@ -183,7 +183,8 @@ def part_insert(params, cfg, args):
     print(f"{'pool shard B':>14}{'receive ms':>11}{'insert ms':>10}{'no-donate ms':>13}{'chunk copy ms':>14}"
           f"{'insert/copy':>12}{'XLA extra B':>12}{'no-donate extra B':>18}")
     copy_rows, undonated = jax.jit(lambda x: x + 1), jax.jit(decode._insert_rows.__wrapped__)
-    for blocks in (256, 1024, 4096, 16384):
+    need = -(-(args.chunk + 1) // args.block_size)        # the request (chunk + 1 token) and scratch block 0
+    for blocks in (need + 1, 4 * need, 16 * need, 64 * need):
         print(_insert_row(params, cfg, args, blocks, copy_rows, undonated))
     print("(receive: the whole receive_layer call; insert: its jitted in-place write; no-donate: the same "
           "write without donation (a copy of the shard); chunk copy: rows -> rows + 1, which moves 2x the "

@@ -66,11 +66,14 @@ class SlotState:
 
     @classmethod
     def empty(cls, slots: int, sharding) -> "SlotState":
-        z = np.zeros(slots, np.int32)
-        return jax.device_put(cls(z, z.astype(np.float32), np.ones(slots, np.float32), z, z,
-                                  np.zeros(slots, bool)), sharding)
+        """Every slot empty, placed with ``sharding`` (one buffer per field)."""
+        def z(dtype):
+            return np.zeros(slots, dtype)
+        return jax.device_put(cls(z(np.int32), z(np.float32), np.ones(slots, np.float32), z(np.int32),
+                                  z(np.int32), z(bool)), sharding)
 
     def fields(self) -> tuple:
+        """The arrays, in field order."""
         return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
 
 
