@@ -7,6 +7,14 @@ writes each layer's latent rows into those blocks as they arrive; ``admit`` join
 request to the running batch once all layers are in; ``release`` frees its blocks when it
 finishes. Requests join and leave between steps. One thread drives a pool (the decode
 scheduler's driver); prefill workers only read ``target_device``.
+
+Per step, nothing crosses from the host: the slots' last tokens, sampling parameters,
+generation counters and validity live on the devices (:class:`SlotState`, set by ``admit``
+and ``release``, advanced inside the jitted step), and the host picks only the static number
+of blocks the attention gathers (a bucket of the longest running slot's length, from the
+``kv_len`` mirror), so a step's time follows the KV the batch holds, not the pool's
+capacity. Fetching the sampled tokens is the step's one device-to-host transfer. Every
+update of the pool, the block tables and the slot state is donated (in place).
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pdjax.config import ModelConfig
 from pdjax.disagg.request import Request, sample
-from pdjax.model.paged import BlockAllocator, init_paged_cache
+from pdjax.model.paged import BlockAllocator, init_paged_cache, view_bucket
 from pdjax.model.transformer import decode_core
 from pdjax.parallel.ep import ExpertParallel
 from pdjax.parallel.mesh import make_mesh, shard_params
@@ -42,21 +50,64 @@ class Reservation:
         return len(self.rows_received) > 0 and all(n == T for n in self.rows_received)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "moe_impl"), donate_argnames=("cache",))
-def _step(params, cfg, tokens, cache, temperature, top_p, seed, gen_step, valid, moe_impl):
-    logits, cache = decode_core(params, cfg, tokens, cache, moe_impl, valid)
-    return sample(logits, temperature, top_p, seed, gen_step), cache
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SlotState:
+    """What a decode step needs per slot, kept on the pool's devices ([slots] each, split over
+    the DP ranks like the slots): set by ``admit`` and ``release`` (small donated updates),
+    advanced by the step itself, so a step copies nothing from the host."""
+
+    last_token: jax.Array      # int32: the token the next step feeds
+    temperature: jax.Array     # float32 (0 = greedy)
+    top_p: jax.Array           # float32
+    seed: jax.Array            # int32
+    gen: jax.Array             # int32: generation index of the token the next step samples
+    valid: jax.Array           # bool: the slot holds a running request
+
+    @classmethod
+    def empty(cls, slots: int, sharding) -> "SlotState":
+        """Every slot empty, placed with ``sharding`` (one buffer per field)."""
+        def z(dtype):
+            return np.zeros(slots, dtype)
+        return jax.device_put(cls(z(np.int32), z(np.float32), np.ones(slots, np.float32), z(np.int32),
+                                  z(np.int32), z(bool)), sharding)
+
+    def fields(self) -> tuple:
+        """The arrays, in field order."""
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
 
 
-@jax.jit
-def _insert_rows(shard, rows_TL, blocks_T, offsets_T):
-    """shard [1, NB, bs, W] of one rank's pool (on that rank's device)."""
-    return shard.at[0, blocks_T, offsets_T].set(rows_TL.astype(shard.dtype))
+@functools.partial(jax.jit, static_argnames=("cfg", "moe_impl", "sampling"), donate_argnames=("cache", "state"))
+def _step(params, cfg, cache, state, moe_impl, sampling=True):
+    """One decode step of every slot: (sampled tokens [slots], cache, state advanced).
+    ``sampling=False`` (static; every running slot greedy) takes the argmax, which is what
+    :func:`pdjax.disagg.request.sample` returns at temperature 0, without its sort over the
+    vocabulary (and without reducing the temperatures over the mesh to find out)."""
+    logits, cache = decode_core(params, cfg, state.last_token, cache, moe_impl, state.valid)
+    if sampling:
+        toks = sample(logits, state.temperature, state.top_p, state.seed, state.gen)
+    else:
+        toks = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    state = dataclasses.replace(state, last_token=jnp.where(state.valid, toks, state.last_token),
+                                gen=state.gen + state.valid.astype(jnp.int32))
+    return toks, cache, state
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1))
-def _set_slot(block_tables, lengths, slot, row, length):
-    return block_tables.at[slot].set(row), lengths.at[slot].set(length)
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _insert_rows(shard, rows_TL, index_2T):
+    """Write rows [T, W] into shard [1, NB, bs, W] of one rank's pool (on that rank's device)
+    at (block, offset) = index_2T[:, t]; the shard is donated: updated in place."""
+    return shard.at[0, index_2T[0], index_2T[1]].set(rows_TL.astype(shard.dtype))
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+def _set_slot(block_tables, lengths, state, row, ints, floats):
+    """Slot ``ints[0]`` gets block-table ``row``, length ``ints[1]`` and state (last token,
+    seed, gen, valid) = ints[2:6], (temperature, top_p) = floats: one small donated update."""
+    slot = ints[0]
+    values = (ints[2], floats[0], floats[1], ints[3], ints[4], ints[5] != 0)
+    state = SlotState(*(a.at[slot].set(v.astype(a.dtype)) for a, v in zip(state.fields(), values)))
+    return block_tables.at[slot].set(row), lengths.at[slot].set(ints[1]), state
 
 
 class DecodePool:
@@ -80,8 +131,8 @@ class DecodePool:
         self.alloc = BlockAllocator(self.ranks, num_blocks, block_size)
         self.rank_devices = list(self.mesh.devices.flat)      # rank r's pool shard lives here
         self.slot_req: list[Reservation | None] = [None] * slots
-        self.kv_len = np.zeros(slots, np.int64)               # host mirror, for balancing
-        self.last_token = np.zeros(slots, np.int32)
+        self.kv_len = np.zeros(slots, np.int64)               # host mirror: balancing, view buckets
+        self.state = SlotState.empty(slots, self.batch_sharding)
         self.pending: list[Reservation] = []             # reserved, KV still arriving
 
     # ---- handoff ------------------------------------------------------------------------
@@ -116,18 +167,19 @@ class DecodePool:
     def receive_layer(self, res: Reservation, layer: int, rows_TL, start: int = 0) -> None:
         """Write one layer's latent rows [T, C+R] for prompt positions start..start+T-1 (already
         on the owning rank's device) into the request's reserved blocks: a local write into
-        that rank's shard of the pool; the other ranks' shards are untouched (no data moves)."""
+        that rank's shard of the pool, in place (the shard is donated: a chunk costs its own bytes,
+        not the pool's); the other ranks' shards are untouched (no data moves)."""
         T = rows_TL.shape[0]
         if start < 0 or start + T > len(res.request.prompt):
             raise ValueError(f"request {res.request.index}: rows {start}..{start + T - 1} outside its "
                              f"{len(res.request.prompt)}-token prompt")
         pos = start + np.arange(T)
-        dev = self.rank_devices[res.rank]
-        blocks = jax.device_put(np.asarray(res.blocks, np.int32)[pos // self.block_size], dev)
-        offsets = jax.device_put((pos % self.block_size).astype(np.int32), dev)
+        index = np.stack([np.asarray(res.blocks, np.int32)[pos // self.block_size],
+                          (pos % self.block_size).astype(np.int32)])
         pool = self.cache.pools[layer]
         shards = {s.index[0].start or 0: s.data for s in pool.addressable_shards}
-        shards[res.rank] = _insert_rows(shards[res.rank], rows_TL, blocks, offsets)
+        shards[res.rank] = _insert_rows(shards[res.rank], rows_TL,
+                                        jax.device_put(index, self.rank_devices[res.rank]))
         pool = jax.make_array_from_single_device_arrays(pool.shape, pool.sharding,
                                                         [shards[r] for r in range(self.ranks)])
         pools = list(self.cache.pools)
@@ -151,44 +203,55 @@ class DecodePool:
         slot = next(s for s in range(res.rank * per, (res.rank + 1) * per) if self.slot_req[s] is None)
         row = np.zeros(self.blocks_per_slot, np.int32)
         row[: len(res.blocks)] = res.blocks
-        bt, lens = _set_slot(self.cache.block_tables, self.cache.lengths, slot, jnp.asarray(row),
-                             len(res.request.prompt))
-        self.cache = dataclasses.replace(self.cache, block_tables=bt, lengths=lens)
+        req = res.request
+        # the first token (generation index 0) came from the prefill: the first step samples
+        # index len(output) (the driver has usually recorded the first token by now)
+        gen = max(len(req.output), 1)
+        self._set_slot(slot, row, len(req.prompt), (int(first_token), req.sampling.seed, gen, 1),
+                       (req.sampling.temperature, req.sampling.top_p))
         self.pending.remove(res)
         self.slot_req[slot] = res
-        self.kv_len[slot] = len(res.request.prompt)
-        self.last_token[slot] = first_token
+        self.kv_len[slot] = len(req.prompt)
         return slot
 
     def release(self, slot: int) -> None:
+        """Free the slot and its request's blocks (between steps)."""
         res = self.slot_req[slot]
-        bt, lens = _set_slot(self.cache.block_tables, self.cache.lengths, slot,
-                             jnp.zeros(self.blocks_per_slot, jnp.int32), 0)
-        self.cache = dataclasses.replace(self.cache, block_tables=bt, lengths=lens)
+        self._set_slot(slot, np.zeros(self.blocks_per_slot, np.int32), 0, (0, 0, 0, 0), (0.0, 1.0))
         self.slot_req[slot] = None
         self.alloc.release(res.rank, res.blocks)
         self.kv_len[slot] = 0
+
+    def _set_slot(self, slot: int, row, length: int, ints: tuple, floats: tuple) -> None:
+        bt, lens, self.state = _set_slot(self.cache.block_tables, self.cache.lengths, self.state, row,
+                                         np.array((slot, length) + ints, np.int32), np.array(floats, np.float32))
+        self.cache = dataclasses.replace(self.cache, block_tables=bt, lengths=lens)
 
     # ---- decoding -----------------------------------------------------------------------
     @property
     def active(self) -> list[int]:
         return [s for s, r in enumerate(self.slot_req) if r is not None]
 
+    def view_blocks(self) -> int:
+        """Blocks per slot the next step gathers: the bucket (:func:`view_bucket`) of the
+        longest running slot's length after the step's write (from the host mirror, no sync)."""
+        active = self.active
+        need = int(self.kv_len[active].max()) + 1 if active else 1
+        return view_bucket(need, self.block_size, self.blocks_per_slot)
+
     def step(self) -> dict[int, int]:
-        """One decode step over all slots; returns {slot: new token} for the active ones."""
-        reqs = [r.request if r else None for r in self.slot_req]
-        temp = np.array([r.sampling.temperature if r else 0.0 for r in reqs], np.float32)
-        top_p = np.array([r.sampling.top_p if r else 1.0 for r in reqs], np.float32)
-        seed = np.array([r.sampling.seed if r else 0 for r in reqs], np.int32)
-        gen = np.array([len(r.output) if r else 0 for r in reqs], np.int32)
-        valid = np.array([r is not None for r in reqs])       # empty slots: padding for the MoE
-        place = functools.partial(jax.device_put, device=self.batch_sharding)
-        toks, self.cache = _step(self.params, self.cfg, place(self.last_token), self.cache, place(temp),
-                                 place(top_p), place(seed), place(gen), place(valid), self.ep)
-        toks = np.asarray(toks)
-        out = {}
-        for s in self.active:
-            out[s] = int(toks[s])
-            self.last_token[s] = toks[s]
-            self.kv_len[s] += 1
-        return out
+        """One decode step over all slots; returns {slot: new token} for the active ones.
+
+        Everything per slot is already on the devices (:class:`SlotState`); the attention reads
+        only the first :meth:`view_blocks` blocks of each slot; a batch of greedy requests
+        skips the sampling (both static choices, made from host state). The sampled tokens are
+        the step's one device-to-host transfer."""
+        active = self.active
+        if not active:
+            return {}
+        self.cache = self.cache.with_view(self.view_blocks())
+        sampling = any(self.slot_req[s].request.sampling.temperature > 0 for s in active)
+        toks, self.cache, self.state = _step(self.params, self.cfg, self.cache, self.state, self.ep, sampling)
+        toks = jax.device_get(toks)
+        self.kv_len[active] += 1
+        return {s: int(toks[s]) for s in active}

@@ -33,10 +33,11 @@ def _layer(lp, cfg, x, q_pos, valid, moe_impl):
     return layer(lp, cfg, x, q_pos, moe_impl=moe_impl, valid_BT=valid)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "moe_impl"))
+@functools.partial(jax.jit, static_argnames=("cfg", "moe_impl"), donate_argnames=("kv",))
 def _layer_cached(lp, cfg, x, q_pos, kv, start, valid, moe_impl):
     """A layer over a chunk that continues the request's cache kv [1, S, C+R] (rows before
-    ``start`` filled): the chunk's rows are written at ``start`` and it attends causally."""
+    ``start`` filled): the chunk's rows are written at ``start`` (kv is donated: in place) and
+    it attends causally."""
     return layer(lp, cfg, x, q_pos, kv, start, moe_impl=moe_impl, valid_BT=valid)
 
 

@@ -7,10 +7,14 @@ slots (slot s lives on rank s // (slots / R)). A request's block table lists the
 rank is a scratch block: empty slots point at it, so their writes land nowhere that matters.
 
 ``PagedLayer`` is what the model's attention sees in place of a contiguous ``[B,S,C+R]``
-layer cache: ``write_and_view`` writes the new rows at each slot's positions and returns a
-contiguous view ``[slots, blocks_per_slot * block_size, C+R]`` for the attention to read
-(a gather: each slot reads only its own blocks). With a mesh, both run inside
-``jax.shard_map`` so every rank touches only its local pool.
+layer cache: ``write_and_view`` writes the new rows at each slot's positions (in place when
+the pool is donated) and returns a contiguous view ``[slots, view_blocks * block_size, C+R]``
+of the first ``view_blocks`` blocks of every slot's table (a gather: each slot reads only its
+own blocks). ``PagedCache.view_blocks`` is static: the driver sets it per step to a bucket
+of the longest slot's length (:func:`view_bucket`; None = every block of the table), so a
+step reads, and its time grows with, the KV the batch really holds, not the pool's
+capacity; positions past each slot's length are masked by the attention as before. With a
+mesh, both run inside ``jax.shard_map`` so every rank touches only its local pool.
 
 The host side, :class:`BlockAllocator`, hands out and frees blocks per rank.
 """
@@ -31,24 +35,36 @@ from pdjax.model.cache import to_cache_dtype
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class PagedLayer:
+    """One layer's pool and the slots' block tables, as the attention reads them."""
+
     pool: jax.Array            # [R, num_blocks, block_size, C+R]
     block_tables: jax.Array    # [slots, blocks_per_slot] int32, block ids local to the slot's rank
     mesh: Mesh | None = dataclasses.field(default=None, metadata=dict(static=True))
     axes: tuple = dataclasses.field(default=(), metadata=dict(static=True))
+    view_blocks: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
-    def shape(self):           # (slots, capacity in tokens, width): what attention masks over
-        return (self.block_tables.shape[0], self.block_tables.shape[1] * self.pool.shape[2], self.pool.shape[3])
+    def num_view_blocks(self) -> int:
+        """Blocks per slot the view gathers (all of the table when ``view_blocks`` is None)."""
+        return self.block_tables.shape[1] if self.view_blocks is None else self.view_blocks
+
+    @property
+    def shape(self):           # (slots, view length in tokens, width): what attention masks over
+        return (self.block_tables.shape[0], self.num_view_blocks * self.pool.shape[2], self.pool.shape[3])
 
     @property
     def dtype(self):
         return self.pool.dtype
 
     def write_and_view(self, new_BTL, start_B):
-        """Write rows new_BTL [slots, T, W] at positions start_B + t; return (layer, view)."""
+        """Write rows new_BTL [slots, T, W] at positions start_B + t; return (layer, view), the
+        view [slots, num_view_blocks * block_size, W] (the caller keeps every written position
+        inside it)."""
+        nb = self.num_view_blocks
+
         def local(pool, tables, new, start):
             pool = _write(pool[0], tables, new, start)[None]
-            return pool, _view(pool[0], tables)
+            return pool, _view(pool[0], tables[:, :nb])
         if self.mesh is None:
             pool, view = local(self.pool, self.block_tables, new_BTL, start_B)
         else:
@@ -67,6 +83,7 @@ def _write(pool, tables, new_BTL, start_B):
 
 
 def _view(pool, tables):
+    """The blocks of ``tables [b, nb]`` gathered into rows [b, nb * bs, W]."""
     b, MB = tables.shape
     return pool[tables].reshape(b, MB * pool.shape[1], pool.shape[2])
 
@@ -82,6 +99,7 @@ class PagedCache:
     lengths: jax.Array         # [slots] int32 (0 = empty slot)
     mesh: Mesh | None = dataclasses.field(default=None, metadata=dict(static=True))
     axes: tuple = dataclasses.field(default=(), metadata=dict(static=True))
+    view_blocks: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def block_size(self) -> int:
@@ -103,10 +121,28 @@ class PagedCache:
         return sum(p.shape[3] * p.dtype.itemsize for p in self.pools)
 
     def layers(self) -> tuple:
-        return tuple(PagedLayer(p, self.block_tables, self.mesh, self.axes) for p in self.pools)
+        return tuple(PagedLayer(p, self.block_tables, self.mesh, self.axes, self.view_blocks) for p in self.pools)
 
     def with_layers(self, layers, lengths) -> "PagedCache":
         return dataclasses.replace(self, pools=tuple(l.pool for l in layers), lengths=lengths)
+
+    def with_view(self, view_blocks: int | None) -> "PagedCache":
+        """The same cache, its attention reading the first ``view_blocks`` blocks of each slot
+        (None: all). The caller keeps every slot's length + new rows within them."""
+        if view_blocks is not None and not 0 < view_blocks <= self.block_tables.shape[1]:
+            raise ValueError(f"view_blocks must be in [1, {self.block_tables.shape[1]}] or None, got {view_blocks!r}")
+        return dataclasses.replace(self, view_blocks=view_blocks)
+
+
+def view_bucket(tokens: int, block_size: int, blocks_per_slot: int) -> int:
+    """Blocks a step must gather to cover ``tokens`` positions, rounded up to a bucket (1, 2,
+    3, 4, 6, 8, 12, 16, ...: powers of two and 1.5 times them, so a step reads at most 1.5x
+    the blocks it needs and compiles once per bucket), capped at ``blocks_per_slot``."""
+    need = max(1, -(-tokens // block_size))
+    b = 1 << (need - 1).bit_length()                     # next power of two >= need
+    if need <= 3 * b // 4:
+        b = 3 * b // 4
+    return min(b, blocks_per_slot)
 
 
 def init_paged_cache(cfg: ModelConfig, *, slots: int, num_blocks: int, block_size: int,
