@@ -30,15 +30,23 @@ def _pos(owner, name, v, allow_none=False):
 
 @dataclasses.dataclass(frozen=True)
 class Colocated:
-    """``num_instances`` instances each doing prefill and decode: continuous batching,
-    Sarathi-style chunked prefill with ``token_budget`` tokens per step (running decodes
-    take one each), or the largest chunks fitting ``time_budget`` seconds per step."""
+    """``num_instances`` instances each doing prefill and decode with continuous batching.
+
+    ``step_policy``: ``"mixed"`` (Sarathi-style: a step carries the running decodes, one
+    token of ``token_budget`` each, and prefill chunks filling the rest, or the largest
+    chunks fitting ``time_budget`` seconds) or ``"alternate"`` (a step is either prefill
+    chunks of at most ``token_budget`` tokens or a decode step of the running batch; when
+    both wait they take turns, as pdjax's ``ColocatedEngine`` does with its FIFO pool lock).
+    ``prefill_max_requests``: at most that many requests' chunks per prefill step (None: no
+    limit; 1: one request per call, as pdjax's prefill pools run)."""
 
     num_instances: int
     token_budget: int = 2048
     time_budget: Optional[float] = None
     kv_capacity: Optional[float] = None
     max_batch: Optional[int] = None
+    step_policy: str = "mixed"
+    prefill_max_requests: Optional[int] = None
 
     kind = "colocated"
 
@@ -49,6 +57,10 @@ class Colocated:
         _pos("Colocated", "kv_capacity", self.kv_capacity, allow_none=True)
         if self.max_batch is not None:
             _pos_int("Colocated", "max_batch", self.max_batch)
+        if self.step_policy not in ("mixed", "alternate"):
+            raise ValueError(f"Colocated.step_policy must be 'mixed' or 'alternate', got {self.step_policy!r}")
+        if self.prefill_max_requests is not None:
+            _pos_int("Colocated", "prefill_max_requests", self.prefill_max_requests)
 
     @property
     def num_instances_total(self) -> int:
@@ -67,6 +79,8 @@ class PDDisaggregated:
     model's). Decode: ``kv_capacity`` tokens and ``max_batch`` requests per instance,
     reserved at the handshake before prefill; requests of >= ``long_threshold`` tokens are
     balanced by KV length, shorter ones by running count. ``controller``: dynamic P:D.
+    ``prefill_max_requests``: at most that many requests' chunks per prefill step and rank
+    (None: no limit; 1: one request per call, as pdjax's prefill pools run).
     """
 
     num_prefill: int
@@ -84,6 +98,7 @@ class PDDisaggregated:
     quotas: Optional[tuple] = None
     long_threshold: int = DEFAULT_BUCKET_EDGES[0]
     controller: Optional[ControllerConfig] = None
+    prefill_max_requests: Optional[int] = None
 
     kind = "pd"
 
@@ -102,6 +117,8 @@ class PDDisaggregated:
             _pos_int(o, "max_batch", self.max_batch)
         object.__setattr__(self, "bucket_edges", check_edges(self.bucket_edges))
         _pos_int(o, "long_threshold", self.long_threshold)
+        if self.prefill_max_requests is not None:
+            _pos_int(o, "prefill_max_requests", self.prefill_max_requests)
         if self.quotas is not None:
             if len(self.quotas) != self.num_prefill or min(self.quotas) <= 0:
                 raise ValueError(f"{o}.quotas needs {self.num_prefill} positive numbers, got {self.quotas}")

@@ -127,7 +127,9 @@ class Simulator:
                 self.colo.append(ColocatedInstance(
                     self, self._iid(), 0.0, capacity=cap, token_budget=d.token_budget,
                     time_budget=d.time_budget,
-                    max_batch=d.max_batch if d.max_batch is not None else math.inf))
+                    max_batch=d.max_batch if d.max_batch is not None else math.inf,
+                    alternate=d.step_policy == "alternate",
+                    max_requests=d.prefill_max_requests or math.inf))
             return
         self.num_layers = d.num_layers or num_layers_of(self.cost)
         if d.controller is not None and d.quotas is not None:
@@ -149,7 +151,8 @@ class Simulator:
         if role == "prefill":
             inst = PrefillInstance(self, self._iid(), t, dp_ranks=d.dp_ranks, token_budget=d.token_budget,
                                    time_budget=d.time_budget, link_bw=d.link_bw,
-                                   layerwise=d.layerwise, num_layers=self.num_layers)
+                                   layerwise=d.layerwise, num_layers=self.num_layers,
+                                   max_requests=d.prefill_max_requests or math.inf)
             self.prefill.append(inst)
             self.all_prefill.append(inst)
         else:

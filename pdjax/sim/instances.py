@@ -10,8 +10,9 @@ step ends (:meth:`complete`). Step times come from the cost model only.
 * :class:`PrefillInstance`: DP ranks with FIFO queues, chunked prefill by token budget or
   by time budget, and the outgoing KV link (layer-wise transfer, FIFO).
 * :class:`DecodeInstance`: a decode pool member (plain, or an AF unit with M ranks).
-* :class:`ColocatedInstance`: Sarathi-style mixed steps: running decodes take one token of
-  the step's token budget each and prefill chunks fill the rest.
+* :class:`ColocatedInstance`: Sarathi-style mixed steps (running decodes take one token of
+  the step's token budget each and prefill chunks fill the rest), or alternating steps
+  (a step is either prefill chunks or a decode step; they take turns when both wait).
 """
 
 from __future__ import annotations
@@ -116,8 +117,9 @@ class PrefillInstance(Instance):
     pool = "prefill"
 
     def __init__(self, sim, iid, t, *, dp_ranks=1, token_budget=8192, time_budget=None,
-                 link_bw=None, layerwise=True, num_layers=1, quota=1.0):
+                 link_bw=None, layerwise=True, num_layers=1, quota=1.0, max_requests=math.inf):
         super().__init__(sim, iid, t)
+        self.max_requests = max_requests
         self.queues = [deque() for _ in range(dp_ranks)]
         self.pending = [0.0] * dp_ranks     # predicted seconds of queued work per rank
         self.token_budget, self.time_budget = token_budget, time_budget
@@ -160,7 +162,7 @@ class PrefillInstance(Instance):
             chunks.append((req, q))
             pairs.append((q, req.prefilled))
             left -= q
-            if q < remaining or left <= 0:
+            if q < remaining or left <= 0 or len(chunks) >= self.max_requests:
                 break
         return chunks
 
@@ -272,15 +274,23 @@ class DecodeInstance(Instance):
 
 
 class ColocatedInstance(Instance):
+    """Prefill and decode on one instance. Mixed steps (default): each step runs the decode
+    batch plus prefill chunks filling the token budget. ``alternate``: a step is either
+    prefill chunks (at most ``token_budget`` tokens of at most ``max_requests`` requests) or
+    a decode step; when both wait, they take turns."""
+
     pool = "colocated"
 
     def __init__(self, sim, iid, t, *, capacity, max_batch=math.inf, token_budget=2048,
-                 time_budget=None):
+                 time_budget=None, alternate=False, max_requests=math.inf):
         super().__init__(sim, iid, t)
         self.state = DecodeState(1, capacity, max_batch)
         self.waiting: deque = deque()
         self.prefilling: list = []
         self.token_budget, self.time_budget = token_budget, time_budget
+        self.alternate, self.max_requests = alternate, max_requests
+        self.decoding = True            # the step in flight (or the last one) is a decode step
+        self.t_tokens = 0.0             # when the last decode step ended (its tokens' time)
         self.pending = 0.0
         self.plan_chunks: list = []
         self.t_step = 0.0
@@ -301,59 +311,81 @@ class ColocatedInstance(Instance):
             req.t_handshake = t
             self.prefilling.append(req)
 
+    def _chunks(self, t: float, left: int, dec_pairs) -> tuple[list, list]:
+        """Prefill chunks of the step starting at ``t`` within ``left`` tokens (and the time
+        budget, counting ``dec_pairs`` decode rows already in the step)."""
+        cost = self.sim.cost.prefill_step_time
+        chunks, pairs = [], []
+        for req in self.prefilling:
+            remaining = req.input_len - req.prefilled
+            if self.time_budget is not None:
+                q = chunk_for_budget(cost, (dec_pairs or []) + pairs, req.prefilled,
+                                     min(remaining, left), self.time_budget)
+            else:
+                q = min(remaining, left)
+            if q <= 0:
+                break
+            if math.isnan(req.t_prefill_start):
+                req.t_prefill_start = t
+            chunks.append((req, q))
+            pairs.append((q, req.prefilled))
+            left -= q
+            if q < remaining or left <= 0 or len(chunks) >= self.max_requests:
+                break
+        return chunks, pairs
+
+    def _decode_time(self) -> float:
+        st = self.state
+        if self._fast_d:
+            return self.sim.cost.decode_step_time_totals(st.n[0], st.kv[0])
+        return self.sim.cost.decode_step_time(st.kv_lens(0))
+
     def plan(self, t: float):
         self._admit(t)
         st = self.state
         if not st.active and not self.prefilling:
             return None
-        st.start()
         self.t_step = t
+        if self.alternate:
+            self.decoding = st.active and (not self.prefilling or not self.decoding)
+            if self.decoding:
+                st.start()
+                self.plan_chunks = []
+                return self._decode_time()
+            self.plan_chunks, pairs = self._chunks(t, self.token_budget, None)
+            return self.sim.cost.prefill_step_time(pairs)
+        st.start()
         n_dec = st.n[0]
         left = self.token_budget - n_dec
-        cost = self.sim.cost.prefill_step_time
-        chunks, pairs = [], []
-        dec_pairs = None
+        chunks, pairs, dec_pairs = [], [], None
         if self.prefilling and left > 0:
             if self.time_budget is not None:
                 dec_pairs = [(1, k) for k in st.kv_lens(0)]
-            for req in self.prefilling:
-                remaining = req.input_len - req.prefilled
-                if self.time_budget is not None:
-                    q = chunk_for_budget(cost, dec_pairs + pairs, req.prefilled,
-                                         min(remaining, left), self.time_budget)
-                else:
-                    q = min(remaining, left)
-                if q <= 0:
-                    break
-                if math.isnan(req.t_prefill_start):
-                    req.t_prefill_start = t
-                chunks.append((req, q))
-                pairs.append((q, req.prefilled))
-                left -= q
-                if q < remaining or left <= 0:
-                    break
+            chunks, pairs = self._chunks(t, left, dec_pairs)
         self.plan_chunks = chunks
         if not chunks:
-            if self._fast_d:
-                return self.sim.cost.decode_step_time_totals(n_dec, st.kv[0])
-            return self.sim.cost.decode_step_time(st.kv_lens(0))
+            return self._decode_time()
         if self._fast_p and dec_pairs is None:   # decode tokens are (1, kv) chunks
             sq = sum(q for q, _ in pairs)
             return self.sim.cost.prefill_step_time_totals(
                 sq + n_dec, sum(q * c for q, c in pairs) + st.kv[0],
                 sum(q * q for q, _ in pairs) + n_dec, sum(c for _, c in pairs) + st.kv[0])
+        cost = self.sim.cost.prefill_step_time
         return cost(pairs + (dec_pairs if dec_pairs is not None else [(1, k) for k in st.kv_lens(0)]))
 
     def complete(self, t: float) -> None:
         st = self.state
-        n = st.total_running
-        if n:
-            self.sim.record_itl(t - self.t_step, n - len(st.joined))
-            for req in st.joined:
-                self.sim.record_itl(t - req.t_first, 1)
-        self.sim.tokens_out += n
-        for req in st.advance():
-            self.sim.finish(req, t)
+        if self.decoding or not self.alternate:
+            n = st.total_running
+            if n:   # the batch's previous tokens came at the last decode step's end (alternate:
+                    # a prefill step may lie between; mixed: that is this step's start)
+                self.sim.record_itl(t - (self.t_tokens if self.alternate else self.t_step), n - len(st.joined))
+                for req in st.joined:
+                    self.sim.record_itl(t - req.t_first, 1)
+            self.sim.tokens_out += n
+            for req in st.advance():
+                self.sim.finish(req, t)
+            self.t_tokens = t
         for req, q in self.plan_chunks:
             req.prefilled += q
             if req.prefilled >= req.input_len:

@@ -1,0 +1,103 @@
+"""What the simulator needs to model pdjax's own engines: a cost model from fitted step
+costs, colocated steps that alternate between a prefill chunk and a decode step (the
+ColocatedEngine's FIFO pool lock), and prefill steps of one request per call."""
+
+import math
+
+import pytest
+
+from pdjax import sim
+from pdjax.analysis.costmodel_fit import DecodeCostFit, PrefillCostFit
+from pdjax.sim.workload import Request
+
+P, D = 10.0, 1.0          # seconds: every prefill call, every decode step
+
+
+def flat_cost(kv_bytes=4):
+    return sim.FittedStepCost(prefill=lambda q, c: P, decode=lambda B, K: D, kv_bytes=kv_bytes)
+
+
+def test_fitted_step_cost_pads_sums_chunks_and_decodes_by_totals():
+    pre = PrefillCostFit(a=1e-6, b=2e-7, g=1e-4, r2=1.0, n=4, d=3e-3)
+    dec = DecodeCostFit(d0=2e-3, d1=1e-5, d2=1e-8, r2=1.0, n=3)
+    pad = lambda q: 1 << (q - 1).bit_length()                          # noqa: E731 - powers of two
+    cost = sim.FittedStepCost(prefill=pre, decode=dec, kv_bytes=96, num_layers=3, prefill_rows=pad)
+    sim.check_cost_model(cost)
+    assert cost.prefill_step_time([(100, 0)]) == pytest.approx(pre(128, 0))
+    assert cost.prefill_step_time([(100, 0), (16, 64)]) == pytest.approx(pre(128, 0) + pre(16, 64))
+    assert cost.prefill_step_time([]) == 0.0
+    assert cost.decode_step_time([100, 200]) == pytest.approx(dec(2, 300))
+    assert cost.decode_step_time([]) == 0.0
+    assert cost.kv_transfer_time(1000, 96e3) == pytest.approx(1.0)
+    assert cost.kv_bytes_per_token() == 96
+    with pytest.raises(ValueError, match="kv_bytes"):
+        sim.FittedStepCost(prefill=pre, decode=dec, kv_bytes=0)
+    with pytest.raises(ValueError, match="callables"):
+        sim.FittedStepCost(prefill=1.0, decode=dec, kv_bytes=1)
+
+
+def test_alternate_steps_take_turns_and_itl_spans_the_prefill():
+    """A (8 in, 4 out) at 0, B (8 in, 2 out) at 0.5: prefill A [0, 10]; decode [10, 11]
+    (A joins); prefill B [11, 21] (steps alternate); decode [21, 22] (B joins, ends);
+    decode [22, 23] (A ends). A's tokens at 10, 11, 22, 23."""
+    reqs = [Request(0, 0.0, 8, 4), Request(1, 0.5, 8, 2)]
+    dep = sim.Colocated(1, token_budget=64, step_policy="alternate", prefill_max_requests=1)
+    res = sim.simulate(dep, flat_cost(), reqs)
+    a, b = res.requests
+    assert (a.t_first, a.t_finish) == (10.0, 23.0)
+    assert (b.t_first, b.t_finish) == (21.0, 22.0)
+    # ITL tokens: A 1, 11 (a prefill step between), 1; B 1
+    s = res.summary
+    assert s["itl_p50"] == 1.0 and s["util_colocated"] == pytest.approx(1.0)
+    assert sorted(zip(*res_itl(dep, reqs))) == [(1.0, 1), (1.0, 1), (1.0, 1), (11.0, 1)]
+
+
+def res_itl(dep, reqs):
+    s = sim.Simulator(dep, flat_cost(), reqs)
+    s.run()
+    return s.itl_v, s.itl_w
+
+
+def test_alternate_runs_prefills_back_to_back_when_nothing_decodes():
+    """One-token requests: no decode step, the prefills follow each other. Two arriving
+    while the first prefills: with one request per call their first tokens come a call
+    apart; without the limit they share one step (two calls: 2 P)."""
+    reqs = [Request(0, 0.0, 8, 1), Request(1, 1.0, 8, 1), Request(2, 1.0, 8, 1)]
+    dep = sim.Colocated(1, token_budget=64, step_policy="alternate", prefill_max_requests=1)
+    assert [r.t_first for r in sim.simulate(dep, flat_cost(), reqs).requests] == [10.0, 20.0, 30.0]
+    dep = sim.Colocated(1, token_budget=64, step_policy="alternate")
+    assert [r.t_first for r in sim.simulate(dep, flat_cost(), reqs).requests] == [10.0, 30.0, 30.0]
+    # the decode slots bound admission: max_batch = 1 holds B until A ends
+    reqs = [Request(0, 0.0, 8, 3), Request(1, 0.0, 8, 3)]
+    a, b = sim.simulate(sim.Colocated(1, token_budget=64, max_batch=1, step_policy="alternate",
+                                      prefill_max_requests=1), flat_cost(), reqs).requests
+    assert a.t_finish == P + 2 * D and b.t_first == a.t_finish + P
+
+
+def test_pd_one_request_per_prefill_call():
+    reqs = [Request(0, 0.0, 8, 2), Request(1, 1.0, 8, 2), Request(2, 1.0, 8, 2)]
+    one = sim.simulate(sim.PDDisaggregated(1, 1, link_bw=1e12, prefill_max_requests=1), flat_cost(), reqs)
+    assert [r.t_first for r in one.requests] == [10.0, 20.0, 30.0]
+    batched = sim.simulate(sim.PDDisaggregated(1, 1, link_bw=1e12), flat_cost(), reqs)
+    assert [r.t_first for r in batched.requests] == [10.0, 30.0, 30.0]  # one step, two calls
+
+
+@pytest.mark.parametrize("kw", [dict(step_policy="both"), dict(prefill_max_requests=0)])
+def test_colocated_policy_errors(kw):
+    with pytest.raises(ValueError, match="Colocated"):
+        sim.Colocated(1, **kw)
+    if "prefill_max_requests" in kw:
+        with pytest.raises(ValueError, match="prefill_max_requests"):
+            sim.PDDisaggregated(1, 1, link_bw=1.0, **kw)
+
+
+def test_alternate_conserves_requests_under_load():
+    reqs = sim.generate(sim.WorkloadSpec(num_requests=200, rate=0.08, seed=1,
+                                         input={"kind": "list", "values": (8, 64)},
+                                         output={"kind": "uniform", "low": 1, "high": 30}))
+    dep = sim.Colocated(1, token_budget=32, max_batch=4, step_policy="alternate", prefill_max_requests=1)
+    res = sim.simulate(dep, flat_cost(), reqs)
+    s = res.summary
+    assert s["finished"] == 200 and not math.isnan(s["itl_p90"]) and s["ttft_p50"] >= P
+    for r in res.requests:                                   # a 64-token prompt: two 32-token calls
+        assert r.t_first - r.t_prefill_start >= P * math.ceil(r.input_len / 32) - 1e-9
