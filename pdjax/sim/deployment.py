@@ -38,7 +38,16 @@ class Colocated:
     chunks of at most ``token_budget`` tokens or a decode step of the running batch; when
     both wait they take turns, as pdjax's ``ColocatedEngine`` does with its FIFO pool lock).
     ``prefill_max_requests``: at most that many requests' chunks per prefill step (None: no
-    limit; 1: one request per call, as pdjax's prefill pools run)."""
+    limit; 1: one request per call, as pdjax's prefill pools run).
+
+    ``decode_loop`` (alternate steps only): the scheduler is the decode loop of pdjax's
+    engines, which looks at its queues only between decode steps. While requests decode: an
+    arrival is seen at the end of the next decode step, and its prefill waits one more decode
+    step (the loop claims the pool for its own step first); a prefill's first token comes at
+    the end of the decode step after it (the pool lock covers the prefill's dispatch; its
+    compute finishes under that step); the loop sees the first token at the end of the next
+    decode step after it and the request joins the step after that. With nothing decoding
+    the loop waits for events and sees each at once."""
 
     num_instances: int
     token_budget: int = 2048
@@ -47,6 +56,7 @@ class Colocated:
     max_batch: Optional[int] = None
     step_policy: str = "mixed"
     prefill_max_requests: Optional[int] = None
+    decode_loop: bool = False
 
     kind = "colocated"
 
@@ -61,6 +71,9 @@ class Colocated:
             raise ValueError(f"Colocated.step_policy must be 'mixed' or 'alternate', got {self.step_policy!r}")
         if self.prefill_max_requests is not None:
             _pos_int("Colocated", "prefill_max_requests", self.prefill_max_requests)
+        if self.decode_loop and self.step_policy != "alternate":
+            raise ValueError("Colocated.decode_loop models the engines' alternating steps: "
+                             "it needs step_policy='alternate'")
 
     @property
     def num_instances_total(self) -> int:
@@ -81,6 +94,9 @@ class PDDisaggregated:
     balanced by KV length, shorter ones by running count. ``controller``: dynamic P:D.
     ``prefill_max_requests``: at most that many requests' chunks per prefill step and rank
     (None: no limit; 1: one request per call, as pdjax's prefill pools run).
+    ``decode_loop`` (one decode instance): the handshake is done by the decode loop of
+    pdjax's engines, which looks at its queues only between decode steps: a request that
+    arrives during a decode step is placed when the step ends.
     """
 
     num_prefill: int
@@ -99,6 +115,7 @@ class PDDisaggregated:
     long_threshold: int = DEFAULT_BUCKET_EDGES[0]
     controller: Optional[ControllerConfig] = None
     prefill_max_requests: Optional[int] = None
+    decode_loop: bool = False
 
     kind = "pd"
 
@@ -119,6 +136,9 @@ class PDDisaggregated:
         _pos_int(o, "long_threshold", self.long_threshold)
         if self.prefill_max_requests is not None:
             _pos_int(o, "prefill_max_requests", self.prefill_max_requests)
+        if self.decode_loop and (self.num_decode != 1 or self.controller is not None):
+            raise ValueError(f"{o}.decode_loop models one engine's decode loop: it needs num_decode=1 "
+                             "and no controller")
         if self.quotas is not None:
             if len(self.quotas) != self.num_prefill or min(self.quotas) <= 0:
                 raise ValueError(f"{o}.quotas needs {self.num_prefill} positive numbers, got {self.quotas}")

@@ -129,7 +129,7 @@ class Simulator:
                     time_budget=d.time_budget,
                     max_batch=d.max_batch if d.max_batch is not None else math.inf,
                     alternate=d.step_policy == "alternate",
-                    max_requests=d.prefill_max_requests or math.inf))
+                    max_requests=d.prefill_max_requests or math.inf, decode_loop=d.decode_loop))
             return
         self.num_layers = d.num_layers or num_layers_of(self.cost)
         if d.controller is not None and d.quotas is not None:
@@ -260,6 +260,13 @@ class Simulator:
             inst.enqueue(req, t)
             self.kick(inst, t)
             return
+        if self.dep.decode_loop and self.decode[0].busy:   # seen when the loop's step ends
+            self.decode[0].unseen.append(req)
+            return
+        self.place(req, t)
+
+    def place(self, req, t: float) -> None:
+        """A PD request enters the handshake queue (FIFO behind any waiting one)."""
         if self.pending or not self.try_place(req, t):
             self.pending.append(req)
 

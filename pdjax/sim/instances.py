@@ -239,6 +239,7 @@ class DecodeInstance(Instance):
         self.afd = afd
         self._fast = hasattr(sim.cost, "decode_step_time_totals")
         self.t_step = 0.0
+        self.unseen: list = []          # arrivals the decode loop sees when this step ends
 
     def join(self, req) -> None:
         self.state.joining.append(req)
@@ -266,50 +267,68 @@ class DecodeInstance(Instance):
         self.sim.tokens_out += n
         for req in st.advance():
             self.sim.finish(req, t)
+        seen, self.unseen = self.unseen, []
+        for req in seen:
+            self.sim.place(req, t)
 
     @property
     def empty(self) -> bool:
         st = self.state
-        return not self.busy and not st.active and not any(st.res_count)
+        return not self.busy and not st.active and not any(st.res_count) and not self.unseen
 
 
 class ColocatedInstance(Instance):
     """Prefill and decode on one instance. Mixed steps (default): each step runs the decode
     batch plus prefill chunks filling the token budget. ``alternate``: a step is either
     prefill chunks (at most ``token_budget`` tokens of at most ``max_requests`` requests) or
-    a decode step; when both wait, they take turns."""
+    a decode step; when both wait, they take turns. ``decode_loop`` (with ``alternate``):
+    the scheduler looks at its queues only between decode steps while requests decode (see
+    :class:`pdjax.sim.Colocated`)."""
 
     pool = "colocated"
 
     def __init__(self, sim, iid, t, *, capacity, max_batch=math.inf, token_budget=2048,
-                 time_budget=None, alternate=False, max_requests=math.inf):
+                 time_budget=None, alternate=False, max_requests=math.inf, decode_loop=False):
         super().__init__(sim, iid, t)
         self.state = DecodeState(1, capacity, max_batch)
         self.waiting: deque = deque()
         self.prefilling: list = []
         self.token_budget, self.time_budget = token_budget, time_budget
-        self.alternate, self.max_requests = alternate, max_requests
+        self.alternate, self.max_requests, self.loop = alternate, max_requests, decode_loop
         self.decoding = True            # the step in flight (or the last one) is a decode step
         self.t_tokens = 0.0             # when the last decode step ended (its tokens' time)
+        # decode_loop: what the loop has not looked at yet
+        self.unseen: list = []          # arrivals
+        self.held: set = set()          # admitted at its last look: prefill after its next step
+        self.tailing: list = []         # prefilled: first token at the end of the next decode step
+        self.unseen_ready: list = []    # first token out: joins after the loop's next look
         self.pending = 0.0
         self.plan_chunks: list = []
         self.t_step = 0.0
         self._fast_d = hasattr(sim.cost, "decode_step_time_totals")
         self._fast_p = hasattr(sim.cost, "prefill_step_time_totals")
 
+    @property
+    def _loop_running(self) -> bool:
+        """The decode loop has admitted requests to decode (it then looks between steps)."""
+        return self.loop and self.state.active
+
     def enqueue(self, req, t: float) -> None:
         req.pred_cost = self.sim.cost.prefill_step_time([(req.input_len - req.prefilled, req.prefilled)])
         self.pending += req.pred_cost
-        self.waiting.append(req)
+        (self.unseen if self._loop_running else self.waiting).append(req)
 
-    def _admit(self, t: float) -> None:
+    def _admit(self, t: float) -> list:
         st = self.state
+        admitted = []
         while self.waiting and st.fits(0, self.waiting[0].context_len):
             req = self.waiting.popleft()
             st.reserve(req, 0)
             req.decode_inst = self
             req.t_handshake = t
             self.prefilling.append(req)
+            admitted.append(req)
+        return admitted
 
     def _chunks(self, t: float, left: int, dec_pairs) -> tuple[list, list]:
         """Prefill chunks of the step starting at ``t`` within ``left`` tokens (and the time
@@ -317,6 +336,8 @@ class ColocatedInstance(Instance):
         cost = self.sim.cost.prefill_step_time
         chunks, pairs = [], []
         for req in self.prefilling:
+            if req.rid in self.held:
+                continue
             remaining = req.input_len - req.prefilled
             if self.time_budget is not None:
                 q = chunk_for_budget(cost, (dec_pairs or []) + pairs, req.prefilled,
@@ -341,18 +362,22 @@ class ColocatedInstance(Instance):
         return self.sim.cost.decode_step_time(st.kv_lens(0))
 
     def plan(self, t: float):
-        self._admit(t)
+        if not self._loop_running:
+            self._admit(t)
         st = self.state
         if not st.active and not self.prefilling:
             return None
         self.t_step = t
         if self.alternate:
-            self.decoding = st.active and (not self.prefilling or not self.decoding)
+            eligible = any(r.rid not in self.held for r in self.prefilling)
+            self.decoding = st.active and (not eligible or not self.decoding)
             if self.decoding:
                 st.start()
                 self.plan_chunks = []
                 return self._decode_time()
             self.plan_chunks, pairs = self._chunks(t, self.token_budget, None)
+            if not self.plan_chunks:
+                return None
             return self.sim.cost.prefill_step_time(pairs)
         st.start()
         n_dec = st.n[0]
@@ -373,6 +398,26 @@ class ColocatedInstance(Instance):
         cost = self.sim.cost.prefill_step_time
         return cost(pairs + (dec_pairs if dec_pairs is not None else [(1, k) for k in st.kv_lens(0)]))
 
+    def _first_token(self, req, t: float, joining: list) -> None:
+        self.sim.prefill_done(req, t, t)
+        if req.output_len > 1:
+            joining.append(req)
+
+    def _loop_looks(self, t: float) -> None:
+        """decode_loop: the loop looks at its queues at the end of a decode step."""
+        st = self.state
+        seen_ready, self.unseen_ready = self.unseen_ready, []
+        for req in self.tailing:                 # their compute finished under this step
+            self._first_token(req, t, self.unseen_ready)
+        self.tailing = []
+        st.joining.extend(seen_ready)
+        self.waiting.extend(self.unseen)
+        self.unseen = []
+        self.held = {r.rid for r in self._admit(t)}
+        if not st.active:                        # idle: the loop waits for events, sees them at once
+            st.joining.extend(self.unseen_ready)
+            self.unseen_ready, self.held = [], set()
+
     def complete(self, t: float) -> None:
         st = self.state
         if self.decoding or not self.alternate:
@@ -386,18 +431,23 @@ class ColocatedInstance(Instance):
             for req in st.advance():
                 self.sim.finish(req, t)
             self.t_tokens = t
+            if self.loop:
+                self._loop_looks(t)
+        tail = self._loop_running
         for req, q in self.plan_chunks:
             req.prefilled += q
             if req.prefilled >= req.input_len:
                 self.prefilling.remove(req)
                 self.pending -= req.pred_cost
-                self.sim.prefill_done(req, t, t)
-                if req.output_len > 1:
-                    st.joining.append(req)
-        if not self.prefilling and not self.waiting:
+                if tail:
+                    self.tailing.append(req)
+                else:
+                    self._first_token(req, t, st.joining)
+        if not self.prefilling and not self.waiting and not self.unseen:
             self.pending = 0.0
         self.plan_chunks = []
 
     @property
     def empty(self) -> bool:
-        return not self.busy and not self.prefilling and not self.waiting and not self.state.active
+        return (not self.busy and not self.prefilling and not self.waiting and not self.state.active
+                and not self.unseen and not self.tailing and not self.unseen_ready)

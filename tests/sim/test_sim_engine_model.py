@@ -1,6 +1,7 @@
 """What the simulator needs to model pdjax's own engines: a cost model from fitted step
 costs, colocated steps that alternate between a prefill chunk and a decode step (the
-ColocatedEngine's FIFO pool lock), and prefill steps of one request per call."""
+ColocatedEngine's FIFO pool lock), prefill steps of one request per call, and a scheduler
+that is the decode loop (it looks at its queues between decode steps)."""
 
 import math
 
@@ -82,6 +83,39 @@ def test_pd_one_request_per_prefill_call():
     assert [r.t_first for r in batched.requests] == [10.0, 30.0, 30.0]  # one step, two calls
 
 
+def test_decode_loop_sees_queues_between_decode_steps():
+    """A (8 in, 6 out) at 0, B (8 in, 2 out) at 11.5, while A decodes. Prefill A [0, 10]
+    (idle loop: its token at once); decode [10, 11], [11, 12]; B arrives in the latter, is
+    seen at 12, and the loop's own step [12, 13] goes first; prefill B [13, 23]; its first
+    token at the end of the next decode step [23, 24]; the loop sees it at the end of
+    [24, 25] (A's last token); B joins [25, 26]."""
+    reqs = [Request(0, 0.0, 8, 6), Request(1, 11.5, 8, 2)]
+    dep = sim.Colocated(1, token_budget=64, step_policy="alternate", prefill_max_requests=1, decode_loop=True)
+    s = sim.Simulator(dep, flat_cost(), reqs)
+    res = s.run()
+    a, b = res.requests
+    assert (a.t_first, a.t_finish) == (10.0, 25.0)
+    assert (b.t_prefill_start, b.t_first, b.t_finish) == (13.0, 24.0, 26.0)
+    assert sorted(s.itl_v) == [1.0, 1.0, 1.0, 1.0, 2.0, 11.0]
+    # the same without the loop: B's prefill starts when the step it arrived in ends
+    plain = sim.simulate(sim.Colocated(1, token_budget=64, step_policy="alternate", prefill_max_requests=1),
+                         flat_cost(), reqs).requests[1]
+    assert (plain.t_prefill_start, plain.t_first) == (12.0, 22.0)
+
+
+def test_pd_decode_loop_places_arrivals_when_the_step_ends():
+    reqs = [Request(0, 0.0, 8, 4), Request(1, 10.5, 8, 2)]
+    for loop, start in ((True, 11.0), (False, 10.5)):
+        dep = sim.PDDisaggregated(1, 1, link_bw=1e12, prefill_max_requests=1, decode_loop=loop)
+        a, b = sim.simulate(dep, flat_cost(), reqs).requests
+        assert a.t_finish == pytest.approx(13.0)                 # + a transfer of 3.2e-11 s
+        assert b.t_handshake == pytest.approx(start) and b.t_first == pytest.approx(start + P)
+    with pytest.raises(ValueError, match="num_decode=1"):
+        sim.PDDisaggregated(1, 2, link_bw=1.0, decode_loop=True)
+    with pytest.raises(ValueError, match="step_policy='alternate'"):
+        sim.Colocated(1, decode_loop=True)
+
+
 @pytest.mark.parametrize("kw", [dict(step_policy="both"), dict(prefill_max_requests=0)])
 def test_colocated_policy_errors(kw):
     with pytest.raises(ValueError, match="Colocated"):
@@ -95,9 +129,11 @@ def test_alternate_conserves_requests_under_load():
     reqs = sim.generate(sim.WorkloadSpec(num_requests=200, rate=0.08, seed=1,
                                          input={"kind": "list", "values": (8, 64)},
                                          output={"kind": "uniform", "low": 1, "high": 30}))
-    dep = sim.Colocated(1, token_budget=32, max_batch=4, step_policy="alternate", prefill_max_requests=1)
-    res = sim.simulate(dep, flat_cost(), reqs)
-    s = res.summary
-    assert s["finished"] == 200 and not math.isnan(s["itl_p90"]) and s["ttft_p50"] >= P
-    for r in res.requests:                                   # a 64-token prompt: two 32-token calls
-        assert r.t_first - r.t_prefill_start >= P * math.ceil(r.input_len / 32) - 1e-9
+    for loop in (False, True):
+        dep = sim.Colocated(1, token_budget=32, max_batch=4, step_policy="alternate", prefill_max_requests=1,
+                            decode_loop=loop)
+        res = sim.simulate(dep, flat_cost(), reqs)
+        s = res.summary
+        assert s["finished"] == 200 and not math.isnan(s["itl_p90"]) and s["ttft_p50"] >= P
+        for r in res.requests:                               # a 64-token prompt: two 32-token calls
+            assert r.t_first - r.t_prefill_start >= P * math.ceil(r.input_len / 32) - 1e-9
