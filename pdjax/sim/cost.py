@@ -11,6 +11,10 @@ these methods works, e.g. ``pdjax.analysis.costmodel.RooflineCostModel``:
   over a link of ``link_bw`` bytes/s;
 * ``kv_bytes_per_token()``: KV bytes per token over all layers.
 
+Optional: ``decode_overhead(joined, left)``, seconds a decode step's iteration adds for the
+requests that joined that step and those that left after the step before (an engine's
+handoff work between steps); the simulator adds it when the model has it.
+
 AF disaggregation additionally needs the decode step split into its attention side and
 its FFN side (:class:`AFDCostModel`): ``decode_attention_time(kv_lens)`` and
 ``decode_ffn_time(num_tokens)``.
@@ -299,6 +303,12 @@ class FittedStepCost:
     def decode_step_time_totals(self, n: int, sum_kv: float) -> float:
         """Fast path: decode(n, sum_kv) seconds."""
         return float(self.decode(n, sum_kv)) if n else 0.0
+
+    def decode_overhead(self, joined: int, left: int) -> float:
+        """``decode.overhead(joined, left)`` seconds when the decode fit has handoff terms
+        (:class:`~pdjax.analysis.costmodel_fit.DecodeCostFit` with dj / dl), else 0."""
+        f = getattr(self.decode, "overhead", None)
+        return float(f(joined, left)) if f is not None and (joined or left) else 0.0
 
     def kv_transfer_time(self, num_tokens: int, link_bw: float) -> float:
         """``num_tokens * kv_bytes / link_bw`` seconds."""

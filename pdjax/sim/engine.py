@@ -25,6 +25,8 @@ import math
 from collections import deque
 from typing import Optional, Sequence
 
+import numpy as np
+
 from pdjax.sim.afd import AFDStepModel
 from pdjax.sim.controller import PDController
 from pdjax.sim.cost import check_cost_model, num_layers_of
@@ -74,12 +76,18 @@ class SimResult:
 class Simulator:
     """One simulation of ``requests`` through ``deployment`` with step times from ``cost``
     (``prefix_cache``, ``slo``, ``horizon``, ``max_wait`` optional); ``run()`` returns a
-    :class:`SimResult`. :func:`simulate` is the one-call form."""
+    :class:`SimResult`. :func:`simulate` is the one-call form.
+
+    ``decode_jitter``: multiplicative factors (> 0), e.g. measured decode step times over
+    the fitted ones; each decode step's time is multiplied by one drawn uniformly from them
+    (``numpy.random.default_rng(jitter_seed)``: deterministic), for a platform whose steps
+    vary (shared cores, noisy neighbours) so that latency percentiles carry the spread."""
 
     SESSION_MEMO = 4096       # sessions whose last context chain is kept for the next turn
     def __init__(self, deployment, cost, requests: Sequence, *, prefix_cache: Optional[PrefixCache] = None,
                  slo: Optional[SLO] = None, horizon: Optional[float] = None,
-                 max_wait: Optional[float] = None):
+                 max_wait: Optional[float] = None, decode_jitter: Optional[Sequence[float]] = None,
+                 jitter_seed: int = 0):
         self.dep = deployment
         self.mode = deployment.kind
         self.cost = check_cost_model(cost, afd=self.mode == "afd")
@@ -90,6 +98,12 @@ class Simulator:
             if v is not None and not (v > 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be a finite time > 0 seconds, got {v!r}")
         self.slo, self.horizon, self.max_wait = slo, horizon, max_wait
+        self.jitter = None
+        if decode_jitter is not None:
+            factors = [float(f) for f in decode_jitter]
+            if not factors or not all(f > 0 and math.isfinite(f) for f in factors):
+                raise ValueError("decode_jitter must be a non-empty sequence of finite factors > 0")
+            self.jitter = (np.asarray(factors), np.random.default_rng(jitter_seed))
         self.cache = prefix_cache
         self._sessions: OrderedDict = OrderedDict()   # session -> (context segments, chain, state)
         self.requests = [r.fresh() for r in requests]
@@ -181,6 +195,9 @@ class Simulator:
         if not (dur >= 0 and math.isfinite(dur)):
             raise ValueError(f"cost model returned an invalid step time {dur!r} for {inst.pool} "
                              f"instance {inst.iid}")
+        if self.jitter is not None and inst.decode_step:
+            factors, rng = self.jitter
+            dur *= float(factors[rng.integers(len(factors))])
         inst.busy = True
         inst.busy_time += dur
         self.schedule(t + dur, STEP, inst)
@@ -401,5 +418,6 @@ class Simulator:
 def simulate(deployment, cost, requests, **kwargs) -> SimResult:
     """Run ``requests`` (a list of :class:`~pdjax.sim.workload.Request`, left untouched)
     through ``deployment`` with step times from ``cost``. Keyword arguments: ``prefix_cache``,
-    ``slo``, ``horizon``, ``max_wait`` (see :class:`Simulator`)."""
+    ``slo``, ``horizon``, ``max_wait``, ``decode_jitter``, ``jitter_seed`` (see
+    :class:`Simulator`)."""
     return Simulator(deployment, cost, requests, **kwargs).run()

@@ -23,8 +23,21 @@ from collections import deque
 from pdjax.sim.policies import chunk_for_budget, pick_by_quota
 
 
+def handoff_overhead(cost, st: "DecodeState", joins: bool = True, leaves: bool = True) -> float:
+    """The cost model's ``decode_overhead(joined, left)`` for the step about to run (0 when
+    the model has none). The caller drops what its driver does off the critical path:
+    ``leaves`` only for a step right after the previous decode step (a loop that went idle
+    freed the blocks while idle); neither after a prefill step (the loop did that work while
+    the prefill held the pool)."""
+    f = getattr(cost, "decode_overhead", None)
+    if f is None:
+        return 0.0
+    return f(len(st.joined) if joins else 0, st.left if leaves else 0)
+
+
 class Instance:
     pool = ""
+    decode_step = False                 # the step planned last is a decode step
 
     def __init__(self, sim, iid: int, t: float):
         self.sim, self.iid = sim, iid
@@ -56,6 +69,7 @@ class DecodeState:
         self.finish_at: dict[int, list] = {}
         self.step_idx = 0
         self.joined: list = []              # joiners of the step in flight
+        self.left = 0                       # requests that left at the end of the last step
 
     def fits(self, rank: int, need: int) -> bool:
         return (self.res_tokens[rank] + need <= self.capacity
@@ -104,6 +118,7 @@ class DecodeState:
         for r in range(self.R):
             self.kv[r] += self.n[r]
         done = self.finish_at.pop(self.step_idx, [])
+        self.left = len(done)
         for req in done:
             r = req.rank
             self.n[r] -= 1
@@ -232,6 +247,7 @@ class DecodeInstance(Instance):
     its M attention instances."""
 
     pool = "decode"
+    decode_step = True
 
     def __init__(self, sim, iid, t, *, capacity, max_batch=math.inf, ranks=1, afd=None):
         super().__init__(sim, iid, t)
@@ -239,6 +255,7 @@ class DecodeInstance(Instance):
         self.afd = afd
         self._fast = hasattr(sim.cost, "decode_step_time_totals")
         self.t_step = 0.0
+        self.t_end = -1.0               # when the last step ended
         self.unseen: list = []          # arrivals the decode loop sees when this step ends
 
     def join(self, req) -> None:
@@ -249,11 +266,16 @@ class DecodeInstance(Instance):
         if not st.active:
             return None
         st.start()
+        back_to_back = t == self.t_end
         self.t_step = t
         if self.afd is not None:
             if self.afd._fast:
                 return self.afd.step_time_totals(list(zip(st.n, st.kv)))
             return self.afd.step_time([st.kv_lens(r) for r in range(st.R)])
+        return self._step_time() + handoff_overhead(self.sim.cost, st, leaves=back_to_back)
+
+    def _step_time(self) -> float:
+        st = self.state
         if self._fast:
             return self.sim.cost.decode_step_time_totals(st.n[0], st.kv[0])
         return self.sim.cost.decode_step_time(st.kv_lens(0))
@@ -267,6 +289,7 @@ class DecodeInstance(Instance):
         self.sim.tokens_out += n
         for req in st.advance():
             self.sim.finish(req, t)
+        self.t_end = t
         seen, self.unseen = self.unseen, []
         for req in seen:
             self.sim.place(req, t)
@@ -355,11 +378,15 @@ class ColocatedInstance(Instance):
                 break
         return chunks, pairs
 
-    def _decode_time(self) -> float:
+    def _decode_time(self, t_start: float, after_prefill: bool) -> float:
         st = self.state
         if self._fast_d:
-            return self.sim.cost.decode_step_time_totals(st.n[0], st.kv[0])
-        return self.sim.cost.decode_step_time(st.kv_lens(0))
+            t = self.sim.cost.decode_step_time_totals(st.n[0], st.kv[0])
+        else:
+            t = self.sim.cost.decode_step_time(st.kv_lens(0))
+        if after_prefill and st.n[0] > len(st.joined):   # the loop ran: its work hid under the prefill
+            return t
+        return t + handoff_overhead(self.sim.cost, st, leaves=t_start == self.t_tokens)
 
     def plan(self, t: float):
         if not self._loop_running:
@@ -370,11 +397,12 @@ class ColocatedInstance(Instance):
         self.t_step = t
         if self.alternate:
             eligible = any(r.rid not in self.held for r in self.prefilling)
-            self.decoding = st.active and (not eligible or not self.decoding)
+            after_prefill = not self.decoding
+            self.decoding = self.decode_step = st.active and (not eligible or not self.decoding)
             if self.decoding:
                 st.start()
                 self.plan_chunks = []
-                return self._decode_time()
+                return self._decode_time(t, after_prefill)
             self.plan_chunks, pairs = self._chunks(t, self.token_budget, None)
             if not self.plan_chunks:
                 return None
@@ -388,8 +416,9 @@ class ColocatedInstance(Instance):
                 dec_pairs = [(1, k) for k in st.kv_lens(0)]
             chunks, pairs = self._chunks(t, left, dec_pairs)
         self.plan_chunks = chunks
+        self.decode_step = not chunks
         if not chunks:
-            return self._decode_time()
+            return self._decode_time(t, False)
         if self._fast_p and dec_pairs is None:   # decode tokens are (1, kv) chunks
             sq = sum(q for q, _ in pairs)
             return self.sim.cost.prefill_step_time_totals(

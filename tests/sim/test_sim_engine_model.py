@@ -116,6 +116,51 @@ def test_pd_decode_loop_places_arrivals_when_the_step_ends():
         sim.Colocated(1, decode_loop=True)
 
 
+def test_handoff_overhead_of_a_decode_loop():
+    """dj = 0.5 s per joining request, dl = 0.25 s per request that left at the step before.
+    PD: request 0 (13 tokens) joins at 10 (step 1.5 s), steps 1 s each; request 1 (2 tokens)
+    joins the step at 20.5 (1.5 s) and leaves: request 0's last step costs 1.25 s. A request
+    that leaves before the loop idles costs nothing later."""
+    dec = DecodeCostFit(d0=D, d1=0.0, d2=0.0, r2=1.0, n=5, dj=0.5, dl=0.25)
+    cost = sim.FittedStepCost(prefill=lambda q, c: P, decode=dec, kv_bytes=1)
+    assert cost.decode_overhead(2, 1) == 1.25 and flat_cost().decode_overhead(2, 1) == 0.0
+    dep = sim.PDDisaggregated(1, 1, link_bw=1e15, prefill_max_requests=1)
+    a, b = sim.simulate(dep, cost, [Request(0, 0.0, 8, 13), Request(1, 0.0, 8, 2)]).requests
+    assert (b.t_first, b.t_finish) == (pytest.approx(20.0), pytest.approx(22.0))
+    assert a.t_finish == pytest.approx(10.0 + 1.5 + 10 * D + 0.5 + 1.25)
+    a, b = sim.simulate(dep, cost, [Request(0, 0.0, 8, 2), Request(1, 0.0, 8, 2)]).requests
+    assert a.t_finish == pytest.approx(11.5) and b.t_finish == pytest.approx(21.5)
+    # colocated (alternate): the loop's handoff work hides under a prefill step between
+    dep = sim.Colocated(1, token_budget=64, step_policy="alternate", prefill_max_requests=1)
+    a, b = sim.simulate(dep, cost, [Request(0, 0.0, 8, 3), Request(1, 1.0, 8, 2)]).requests
+    # prefill 0 [0, 10]; decode [10, 11.5] (0 joins from idle); prefill 1 [11.5, 21.5];
+    # decode [21.5, 22.5] (1 joins after a prefill step: no overhead) ends both
+    assert (a.t_finish, b.t_first, b.t_finish) == (22.5, 21.5, 22.5)
+
+
+def test_decode_jitter_scales_decode_steps_only_and_is_seeded():
+    reqs = [Request(0, 0.0, 8, 40), Request(1, 0.5, 8, 30)]
+    dep = sim.PDDisaggregated(1, 1, link_bw=1e15, prefill_max_requests=1)
+    itl = lambda s: {round(v, 6) for v in s.itl_v}                          # noqa: E731 (+ ~1e-11 s transfers)
+    base = sim.Simulator(dep, flat_cost(), reqs)
+    base.run()
+    assert itl(base) == {D, 2 * D}             # request 1's KV lands as a step starts: it waits one
+    one = sim.Simulator(dep, flat_cost(), reqs, decode_jitter=[2.0])          # every step doubled
+    res = one.run()
+    assert itl(one) == {2 * D, 4 * D} and res.requests[1].t_first == 2 * P    # prefill untouched
+    runs = []
+    for _ in range(2):
+        s = sim.Simulator(dep, flat_cost(), reqs, decode_jitter=[0.5, 1.0, 3.0], jitter_seed=7)
+        s.run()
+        runs.append(s.itl_v)
+    assert runs[0] == runs[1] and {0.5, 1.0, 3.0} <= itl(s)
+    col = sim.Colocated(1, token_budget=64, step_policy="alternate", prefill_max_requests=1)
+    r = sim.simulate(col, flat_cost(), reqs, decode_jitter=[2.0]).requests[0]
+    assert r.t_first == P and r.t_finish > P + 2 * D * 39
+    with pytest.raises(ValueError, match="decode_jitter"):
+        sim.simulate(dep, flat_cost(), reqs, decode_jitter=[1.0, 0.0])
+
+
 @pytest.mark.parametrize("kw", [dict(step_policy="both"), dict(prefill_max_requests=0)])
 def test_colocated_policy_errors(kw):
     with pytest.raises(ValueError, match="Colocated"):

@@ -1,0 +1,337 @@
+"""The serving simulator held against the engines it models.
+
+One Poisson trace (arrival, prompt length, output length) is served by a real engine
+(:class:`pdjax.disagg.ColocatedEngine` or :class:`pdjax.disagg.PDEngine`, ``generate`` with
+``arrival_times``) and replayed through :mod:`pdjax.sim` with the same deployment (decode
+slots, prefill chunking, prefill workers, link bandwidth) and the engine's own measured costs:
+
+* prefill: ``engine.calibrate_prefill`` on the padding buckets the trace's prompts run in
+  (cost(q, c) = a q^2 + b q c + g q + d), evaluated at the bucket a chunk is padded to;
+* decode: closed batches of B requests of L-token prompts served by the same engine
+  (:func:`calibrate_decode`); each decode-loop iteration in which the batch neither grew nor
+  shrank is a sample (B, K cached tokens, seconds), fitted to t(B, K) = d0 + d1 B + d2 K
+  (:func:`pdjax.analysis.costmodel_fit.fit_decode_cost`). Timing the engine's loop, not
+  ``DecodePool.step`` alone, keeps the scheduler's per-step work in the cost.
+
+The simulated colocated instance alternates steps (a step is one request's prefill chunk or
+a decode step, turns taken when both wait: the engine's FIFO pool lock); the PD deployment
+prefills one request per call. Every cost is measured when the function runs: nothing here
+holds a time. :func:`compare` returns measured vs predicted TTFT and inter-token latency
+(ITL) percentiles per engine (``benchmarks/sim_vs_engine.py`` prints them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import numpy as np
+
+from pdjax import sim
+from pdjax.analysis.costmodel_fit import DecodeCostFit, fit_decode_cost
+
+PROMPT_LENS = (24, 48, 96, 160, 320)     # a mix over five padding buckets (32 .. 512)
+OUTPUT_LENS = (8, 48)                    # uniform, inclusive
+METRICS = ("ttft", "itl")
+PCTS = (50, 90)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSetup:
+    """The engines' shared deployment on the CPU devices: ``slots`` decode slots,
+    ``max_context`` tokens per request, ``block_size`` of the paged cache, prefill chunks of
+    ``chunk_tokens`` (None: whole prompts), ``devices`` per pool (the colocated engine uses
+    one pool of that many; PD a prefill pool and a decode pool of that many each)."""
+
+    slots: int = 8
+    max_context: int = 512
+    block_size: int = 16
+    chunk_tokens: int | None = None
+    devices: int = 4
+
+
+def make_trace(num_requests: int, rate: float, seed: int = 0, prompt_lens: Sequence[int] = PROMPT_LENS,
+               output_lens: tuple[int, int] = OUTPUT_LENS) -> list:
+    """A Poisson trace of ``num_requests`` at ``rate`` req/s: prompt lengths drawn uniformly
+    from ``prompt_lens`` (a finite set, so every shape the engine compiles can be warmed up),
+    output lengths uniform in ``output_lens`` (inclusive). Returns :class:`pdjax.sim.Request`
+    rows sorted by arrival, the first at t = 0."""
+    reqs = sim.generate(sim.WorkloadSpec(num_requests=num_requests, rate=rate, seed=seed,
+                                         input={"kind": "list", "values": tuple(prompt_lens)},
+                                         output={"kind": "uniform", "low": output_lens[0],
+                                                 "high": output_lens[1]}))
+    t0 = reqs[0].arrival
+    return [sim.Request(r.rid, r.arrival - t0, r.input_len, r.output_len) for r in reqs]
+
+
+def prompts_for(lengths: Sequence[int], vocab_size: int, seed: int) -> list[list[int]]:
+    """Random token prompts of the given lengths."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab_size, int(n)).tolist() for n in lengths]
+
+
+def build_engine(kind: str, params, cfg, setup: EngineSetup = EngineSetup(), devices=None):
+    """A ``"colocated"`` or ``"pd"`` engine of ``setup`` on ``devices`` (default jax.devices())."""
+    import jax
+
+    from pdjax.disagg import ColocatedEngine, PDEngine
+    devs = list(devices if devices is not None else jax.devices())
+    n = setup.devices
+    kw = dict(block_size=setup.block_size, max_decode_slots=setup.slots, max_context=setup.max_context,
+              prefill_chunk_tokens=setup.chunk_tokens)
+    if kind == "colocated":
+        return ColocatedEngine(params, cfg, devices=devs[:n], mesh={"expert": n}, **kw)
+    if kind == "pd":
+        if len(devs) < 2 * n:
+            raise ValueError(f"a PD engine of {n} + {n} devices needs {2 * n} devices, got {len(devs)}")
+        return PDEngine(params, cfg, prefill_devices=devs[:n], decode_devices=devs[n:2 * n],
+                        prefill_mesh={"expert": n}, decode_mesh={"expert": n}, **kw)
+    raise ValueError(f"engine kind must be 'colocated' or 'pd', got {kind!r}")
+
+
+def warm_up(engine, prompt_lens: Sequence[int], seed: int = 0) -> None:
+    """Compile every shape the trace will use: for each prompt length, one request per decode
+    rank at once (the KV write into a rank's blocks compiles per prompt length and device)."""
+    ranks = min(engine.decode.ranks, engine.decode.slots)
+    for n in sorted(set(prompt_lens)):
+        engine.generate(prompts_for([n] * ranks, engine.cfg.vocab_size, seed + n), max_new_tokens=3)
+
+
+# ---- decode calibration -------------------------------------------------------------------
+
+def decode_samples(requests: Sequence[dict]) -> list[tuple[int, int, int, int, float]]:
+    """(B, K, joined, left, seconds) of every decode-loop iteration after the last prefill of
+    an engine run, from its per-request metrics (``engine.stats["requests"]``:
+    ``prompt_tokens``, ``token_times``).
+
+    A decode step stamps the same time on the token of every request in it; an iteration
+    runs from one step's end to the next's. B = requests in the step, K = their cached
+    tokens before it (prompt + tokens fed so far), joined = requests new in it (the loop
+    admitted them in the iteration), left = requests of the step before that are not in it
+    (the loop freed their blocks). Iterations that began before the last first token are
+    skipped (a prefill was running)."""
+    steps: dict[float, dict] = {}
+    last_first = -math.inf
+    for r in requests:
+        t = r["token_times"]
+        if not t:
+            continue
+        last_first = max(last_first, t[0])
+        for j, tj in enumerate(t[1:], start=1):     # token j: its step read prompt + j - 1 tokens
+            steps.setdefault(tj, {})[r["index"]] = r["prompt_tokens"] + j - 1
+    ends = sorted(steps)
+    out = []
+    for a, b in zip(ends, ends[1:]):
+        if a <= last_first:
+            continue
+        before, now = steps[a], steps[b]
+        out.append((len(now), sum(now.values()), len(now.keys() - before.keys()), len(before.keys() - now.keys()),
+                    b - a))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCalibration:
+    """The engine's decode loop measured: ``fit`` (t = d0 + d1 B + d2 K + dj joined +
+    dl left), the ``samples`` it was fitted to (per run and (B, joined, left): mean K,
+    median seconds) and every ``iteration`` (B, K, joined, left, seconds)."""
+
+    fit: DecodeCostFit
+    samples: tuple
+    iterations: tuple
+
+    @property
+    def jitter(self) -> list[float]:
+        """Measured over fitted seconds of each plain iteration (nobody joined or left): the
+        spread of the platform's decode steps, for ``pdjax.sim.simulate(decode_jitter=...)``."""
+        return [sec / float(self.fit(b, k)) for b, k, jn, lv, sec in self.iterations if not jn and not lv]
+
+
+def calibrate_decode(engine, prompt_lens: Sequence[int], batches: Sequence[int] = (1, 2, 4, 8),
+                     new_tokens: int = 32, repeats: int = 1, seed: int = 0) -> DecodeCalibration:
+    """Fit the engine's decode-loop iteration t = d0 + d1 B + d2 K + dj joined + dl left
+    (:func:`pdjax.analysis.costmodel_fit.fit_decode_cost` with ``handoff=True``) from closed
+    batches of B requests of each prompt length (all arriving at once, ``new_tokens`` each),
+    served by the engine itself. Per (run, B, joined, left) the median iteration is one
+    sample (:func:`decode_samples`)."""
+    samples, iterations = [], []
+    for _ in range(repeats):
+        for L in prompt_lens:
+            for B in batches:
+                B = min(B, engine.decode.slots)
+                engine.generate(prompts_for([L] * B, engine.cfg.vocab_size, seed + 31 * L + B),
+                                max_new_tokens=new_tokens)
+                groups: dict[tuple, list] = {}
+                for b, k, jn, lv, sec in decode_samples(engine.stats["requests"]):
+                    groups.setdefault((b, jn, lv), []).append((k, sec))
+                    iterations.append((b, k, jn, lv, sec))
+                for (b, jn, lv), ks in groups.items():
+                    samples.append((b, float(np.mean([k for k, _ in ks])), jn, lv,
+                                    float(np.median([sec for _, sec in ks]))))
+    if len(samples) < 5:
+        raise ValueError(f"decode calibration found {len(samples)} samples; raise new_tokens")
+    return DecodeCalibration(fit_decode_cost(samples, handoff=True), tuple(samples), tuple(iterations))
+
+
+# ---- prefill as served ----------------------------------------------------------------------
+
+def loop_delay_steps(engine) -> float:
+    """Decode steps of delay the simulated decode loop adds to a lone request's TTFT while
+    others decode (``decode_loop``, see :class:`pdjax.sim.Colocated`): colocated, half the
+    step in flight, the loop's own next step and the step the prefill's compute finishes
+    under (2.5); PD, half the step in flight (0.5)."""
+    return 2.5 if engine.colocated else 0.5
+
+
+def calibrate_served_prefill(engine, prompt_lens: Sequence[int], decode_fit, background: int = 2,
+                             probes: int = 4, seed: int = 0):
+    """The prefill as the engine serves it while others decode: ``background`` requests
+    decode while ``probes`` one-token requests of each prompt length arrive one at a time
+    (spaced well apart, at random phases of the decode steps). A probe's prefill cost is its
+    TTFT less the decode loop's delay as the simulator models it
+    (:func:`loop_delay_steps` x the background's decode step); the medians per padding
+    bucket are fitted to cost(q, c) = a q^2 + b q c + g q + d. Returns (PrefillCostFit,
+    samples [(bucket, 0, seconds)])."""
+    from pdjax.analysis.costmodel_fit import fit_prefill_cost
+    from pdjax.disagg.prefill import bucket
+    rng = np.random.default_rng(seed)
+    bg_len = min(prompt_lens)
+    step = float(decode_fit(background, background * bg_len))
+    samples = []
+    for L in sorted(set(prompt_lens)):
+        gap = 3 * float(engine.prefill_cost(bucket(L, engine.prefill.size), 0)) + 10 * step
+        arrivals = [0.0] * background + [5 * step + i * gap + float(rng.uniform(0, step)) for i in range(probes)]
+        tokens = min(int((arrivals[-1] + gap) / step) + 8, engine.max_context - bg_len)
+        prompts = prompts_for([bg_len] * background + [L] * probes, engine.cfg.vocab_size, seed + L)
+        engine.generate(prompts, max_new_tokens=[tokens] * background + [1] * probes, arrival_times=arrivals)
+        ttft = [r["ttft"] for r in engine.stats["requests"][background:]]
+        cost = float(np.median(ttft)) - loop_delay_steps(engine) * step
+        samples.append((bucket(L, engine.prefill.size), 0, max(cost, 1e-6)))
+    samples = (samples * 4)[:max(4, len(samples))]      # the fit needs four samples
+    return fit_prefill_cost(samples, intercept=True), samples
+
+
+# ---- the simulated twin -----------------------------------------------------------------------
+
+def kv_bytes_per_token(engine) -> int:
+    """Latent KV bytes per token over all layers, as the engine's handoff moves them."""
+    import jax.numpy as jnp
+    cfg = engine.cfg
+    return cfg.kv_latent_dim * cfg.num_hidden_layers * jnp.dtype(engine.prefill.params["embed"].dtype).itemsize
+
+
+def engine_cost(engine, decode_fit: DecodeCostFit, prefill=None) -> sim.FittedStepCost:
+    """The engine's cost model for the simulator: a prefill cost (default the engine's
+    calibrated ``prefill_cost``) at the padding bucket a chunk runs in, its fitted decode
+    iteration, its KV bytes per token."""
+    from pdjax.disagg.prefill import bucket
+    size = engine.prefill.size
+    return sim.FittedStepCost(prefill=prefill or engine.prefill_cost, decode=decode_fit,
+                              kv_bytes=kv_bytes_per_token(engine), num_layers=engine.cfg.num_hidden_layers,
+                              prefill_rows=lambda q: bucket(q, size))
+
+
+def engine_deployment(engine):
+    """The simulated deployment of ``engine``: its decode slots (a request holds one from
+    its reservation to its end), its chunking, one request per prefill call; colocated:
+    alternating steps on one instance; PD: one prefill instance with a rank per prefill
+    worker, one decode instance, the engine's measured link bandwidth, layer-wise."""
+    budget = engine.prefill_chunk_tokens or engine.max_context
+    if engine.prefill_budget_s is not None:
+        raise ValueError("time-budget chunking (prefill_budget_s) is not modelled here; use prefill_chunk_tokens")
+    if engine.colocated:
+        return sim.Colocated(1, token_budget=budget, max_batch=engine.decode.slots, step_policy="alternate",
+                             prefill_max_requests=1, decode_loop=True)
+    return sim.PDDisaggregated(1, 1, link_bw=engine.link_bandwidth_Bps, token_budget=budget,
+                               dp_ranks=len(engine.prefills), max_batch=engine.decode.slots,
+                               num_layers=engine.cfg.num_hidden_layers, prefill_max_requests=1, decode_loop=True)
+
+
+# ---- measured vs predicted ----------------------------------------------------------------------
+
+def serve(engine, trace: Sequence, seed: int = 0) -> dict:
+    """Serve ``trace`` on the engine at its arrival times; returns ``engine.stats``."""
+    prompts = prompts_for([r.input_len for r in trace], engine.cfg.vocab_size, seed)
+    engine.generate(prompts, max_new_tokens=[r.output_len for r in trace],
+                    arrival_times=[r.arrival for r in trace])
+    return engine.stats
+
+
+def measured_latencies(stats: dict) -> dict:
+    """{"ttft": [...], "itl": [...]} seconds from an engine run's per-request metrics."""
+    reqs = [r for r in stats["requests"] if r["error"] is None]
+    return {"ttft": [r["ttft"] for r in reqs], "itl": [x for r in reqs for x in r["itl"]]}
+
+
+def percentile_rows(engine_name: str, measured: dict, predicted: dict) -> list[dict]:
+    """Rows {engine, metric, pct, measured_s, <name>_s, <name>_err ...} for TTFT and ITL at
+    P50 / P90; ``predicted``: {name: simulator summary}; error = predicted / measured - 1."""
+    rows = []
+    for metric in METRICS:
+        m = sim.percentiles(measured[metric], pcts=PCTS)
+        for p in PCTS:
+            meas = m[f"p{p}"]
+            row = {"engine": engine_name, "metric": metric, "pct": f"p{p}", "measured_s": meas}
+            for name, summary in predicted.items():
+                pred = summary[f"{metric}_p{p}"]
+                row[f"{name}_s"] = pred
+                row[f"{name}_err"] = pred / meas - 1 if meas > 0 else math.nan
+            rows.append(row)
+    return rows
+
+
+@dataclasses.dataclass
+class Comparison:
+    """One engine's run: the ``rows`` (see :func:`percentile_rows`), per prefill model
+    (``"served"``: :func:`calibrate_served_prefill`; ``"isolated"``: the engine's own
+    ``calibrate_prefill``) its simulation and cost model, the calibration samples (decode:
+    (B, K, joined, left, s); served prefill: (bucket, 0, s)) and the engine's stats."""
+
+    rows: list
+    sims: dict
+    costs: dict
+    decode: DecodeCalibration
+    prefill_samples: list
+    stats: dict
+
+
+#: The simulator's predictions: "jitter" (prefill as served, the decode steps' measured
+#: spread), "served" (prefill as served, deterministic steps), "isolated" (the engine's own
+#: calibrate_prefill, deterministic steps).
+PREDICTIONS = ("jitter", "served", "isolated")
+
+
+def compare_engine(kind: str, params, cfg, trace: Sequence, *, setup: EngineSetup = EngineSetup(),
+                   seed: int = 0, decode_batches: Sequence[int] = (1, 2, 4, 8), decode_tokens: int = 32,
+                   prefill_repeats: int = 3, probes: int = 4, devices=None) -> Comparison:
+    """Build a ``kind`` engine, warm it up on the trace's prompt lengths, measure its costs
+    (prefill isolated and as served, decode loop), serve ``trace`` and simulate it with
+    each prefill model; returns a :class:`Comparison`."""
+    from pdjax.disagg.prefill import bucket
+    engine = build_engine(kind, params, cfg, setup, devices)
+    lens = sorted({r.input_len for r in trace})
+    warm_up(engine, lens, seed)
+    if setup.chunk_tokens is None:
+        shapes = sorted({(bucket(n, engine.prefill.size), 0) for n in lens})
+    else:                              # chunks of chunk_tokens (or the tail) over a cached prefix
+        shapes = sorted({(bucket(q, engine.prefill.size), c) for n in lens for c in range(0, n, setup.chunk_tokens)
+                         for q in [min(setup.chunk_tokens, n - c)]})
+    shapes = (shapes * 4)[:max(4, len(shapes))]   # the fit needs four samples: repeat, never compile more
+    engine.calibrate_prefill(shapes=shapes, repeats=prefill_repeats, intercept=True)
+    dec = calibrate_decode(engine, (lens[0], lens[-1]), decode_batches, decode_tokens, seed=seed)
+    served_fit, p_samples = calibrate_served_prefill(engine, lens, dec.fit, probes=probes, seed=seed)
+    stats = serve(engine, trace, seed)
+    served = engine_cost(engine, dec.fit, served_fit)
+    costs = {"jitter": served, "served": served, "isolated": engine_cost(engine, dec.fit)}
+    dep = engine_deployment(engine)
+    sims = {name: sim.simulate(dep, cost, trace, decode_jitter=dec.jitter if name == "jitter" else None,
+                               jitter_seed=seed)
+            for name, cost in costs.items()}
+    rows = percentile_rows(kind, measured_latencies(stats), {k: r.summary for k, r in sims.items()})
+    return Comparison(rows, sims, costs, dec, p_samples, stats)
+
+
+def compare(params, cfg, trace: Sequence, kinds: Sequence[str] = ("colocated", "pd"), **kwargs) -> list[Comparison]:
+    """:func:`compare_engine` for each engine kind on the same trace."""
+    return [compare_engine(k, params, cfg, trace, **kwargs) for k in kinds]
