@@ -92,6 +92,9 @@ def main():
             print(f"  decode loop: {c.decode.fit}")
             print(f"  decode step spread (measured / fitted, plain iterations): P10 {j[0]:.2f} "
                   f"P50 {j[1]:.2f} P90 {j[2]:.2f}")
+            dc = sve.decode_contention(c.stats, c.decode.fit)
+            print(f"  served decode iterations / fitted (median): {dc['prefill']:.2f} with a prefill in flight "
+                  f"({dc['n_prefill']}), {dc['no_prefill']:.2f} without ({dc['n_no_prefill']})")
             print(f"  simulated utilisation {util}, measured span {c.stats['elapsed_s']:.2f} s "
                   f"vs simulated {s['span_s']:.2f} s")
             print_rows(c.rows, f"{kind}, run {rep + 1}")

@@ -281,6 +281,31 @@ def percentile_rows(engine_name: str, measured: dict, predicted: dict) -> list[d
     return rows
 
 
+def decode_contention(stats: dict, decode_fit: DecodeCostFit) -> dict:
+    """How much slower than fitted the served decode iterations ran, with and without a
+    prefill in flight: the median of measured / fitted seconds over the iterations in which
+    no request joined or left, split by whether some request was between its arrival and
+    its first token (queued for or in its prefill). Returns {"prefill": ratio, "no_prefill":
+    ratio, "n_prefill": count, "n_no_prefill": count} (NaN when a class is empty). PD on one
+    host: the two pools share the cores, so the first ratio exceeds the second."""
+    reqs = [r for r in stats["requests"] if r["error"] is None and r["token_times"]]
+    waits = sorted((r["token_times"][0] - r["ttft"], r["token_times"][0]) for r in reqs)
+    steps: dict[float, dict] = {}
+    for r in reqs:
+        for j, t in enumerate(r["token_times"][1:], start=1):
+            steps.setdefault(t, {})[r["index"]] = r["prompt_tokens"] + j - 1
+    ends = sorted(steps)
+    split: dict[bool, list] = {True: [], False: []}
+    for a, b in zip(ends, ends[1:]):
+        if steps[a].keys() != steps[b].keys():
+            continue
+        busy = any(lo < b and hi > a for lo, hi in waits)
+        split[busy].append((b - a) / float(decode_fit(len(steps[b]), sum(steps[b].values()))))
+    med = {k: float(np.median(v)) if v else math.nan for k, v in split.items()}
+    return {"prefill": med[True], "no_prefill": med[False], "n_prefill": len(split[True]),
+            "n_no_prefill": len(split[False])}
+
+
 @dataclasses.dataclass
 class Comparison:
     """One engine's run: the ``rows`` (see :func:`percentile_rows`), per prefill model

@@ -26,6 +26,18 @@ def test_decode_samples_after_the_last_prefill():
     assert cal.jitter == [2.0, 3.0]
 
 
+def test_decode_contention_splits_by_prefill_in_flight():
+    """Request 0 decodes steps of 1 s (ends 1..6); request 1 arrives at 2.5 and has its first
+    token at 3.5 (a one-token request: it never joins). Iterations (2, 3] and (3, 4] overlap
+    its prefill; the fit predicts 0.5 s: ratio 2 everywhere."""
+    reqs = [{"index": 0, "prompt_tokens": 4, "token_times": [0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0], "ttft": 0.5,
+             "error": None},
+            {"index": 1, "prompt_tokens": 8, "token_times": [3.5], "ttft": 1.0, "error": None}]
+    fit = DecodeCostFit(0.5, 0.0, 0.0, 1.0, 3)
+    assert sve.decode_contention({"requests": reqs}, fit) == {"prefill": 2.0, "no_prefill": 2.0, "n_prefill": 2,
+                                                              "n_no_prefill": 3}
+
+
 def test_make_trace_is_a_poisson_trace_of_the_mix():
     trace = sve.make_trace(50, 10.0, seed=3, prompt_lens=(16, 40), output_lens=(2, 6))
     assert len(trace) == 50 and trace[0].arrival == 0.0
