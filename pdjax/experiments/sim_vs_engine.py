@@ -329,7 +329,7 @@ PREDICTIONS = ("jitter", "served", "isolated")
 
 def compare_engine(kind: str, params, cfg, trace: Sequence, *, setup: EngineSetup = EngineSetup(),
                    seed: int = 0, decode_batches: Sequence[int] = (1, 2, 4, 8), decode_tokens: int = 32,
-                   prefill_repeats: int = 3, probes: int = 4, devices=None) -> Comparison:
+                   prefill_repeats: int = 3, probes: int = 6, devices=None) -> Comparison:
     """Build a ``kind`` engine, warm it up on the trace's prompt lengths, measure its costs
     (prefill isolated and as served, decode loop), serve ``trace`` and simulate it with
     each prefill model; returns a :class:`Comparison`."""

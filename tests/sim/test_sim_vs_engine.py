@@ -52,7 +52,7 @@ def test_compare_engine_rows(tiny_cfg, tiny_params, kind):
     trace = sve.make_trace(6, 40.0, seed=0, prompt_lens=(16, 40), output_lens=(3, 8))
     setup = sve.EngineSetup(slots=4, max_context=64, devices=2)
     c = sve.compare_engine(kind, tiny_params, tiny_cfg, trace, setup=setup, decode_batches=(1, 2),
-                           decode_tokens=8, prefill_repeats=1, devices=jax.devices()[:4])
+                           decode_tokens=8, prefill_repeats=1, probes=2, devices=jax.devices()[:4])
     assert [(r["engine"], r["metric"], r["pct"]) for r in c.rows] == [
         (kind, m, p) for m in ("ttft", "itl") for p in ("p50", "p90")]
     for r in c.rows:
