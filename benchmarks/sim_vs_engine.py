@@ -43,7 +43,7 @@ def load() -> str:
         return "load average n/a"
 
 
-COLUMNS = (("jitter", "sim"), ("served", "no jitter"), ("isolated", "isolated"))
+COLUMNS = (("model", "sim"), ("no_jitter", "no jitter"), ("isolated", "isolated"))
 
 
 def print_rows(rows, title):
@@ -83,11 +83,13 @@ def main():
             before = load()
             c = sve.compare_engine(kind, params, cfg, trace, setup=setup, seed=args.seed)
             runs[kind].append(c)
-            s = c.sims["jitter"].summary
+            s = c.sims["model"].summary
             util = {k: round(v, 2) for k, v in s.items() if k.startswith("util_")}
             print(f"\n[{kind} run {rep + 1}] {time.perf_counter() - t0:.0f} s; {before} -> {load()}")
             print(f"  prefill, isolated (engine.calibrate_prefill): {c.costs['isolated'].prefill}")
-            print(f"  prefill, as served while decoding:          {c.costs['served'].prefill}")
+            print(f"  prefill, as served while decoding:          {c.served.fit}")
+            print(f"  served / isolated prefill x{c.served.prefill_factor:.2f}; decode iterations beside a "
+                  f"prefill x{c.served.decode_factor:.2f}" + ("" if kind == "pd" else " (not used: the pool lock)"))
             j = np.percentile(c.decode.jitter, [10, 50, 90])
             print(f"  decode loop: {c.decode.fit}")
             print(f"  decode step spread (measured / fitted, plain iterations): P10 {j[0]:.2f} "

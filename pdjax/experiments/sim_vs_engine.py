@@ -184,32 +184,53 @@ def loop_delay_steps(engine) -> float:
     return 2.5 if engine.colocated else 0.5
 
 
+@dataclasses.dataclass(frozen=True)
+class ServedPrefill:
+    """The prefill measured as served while others decode: ``fit`` (cost(q, c)) to the
+    ``samples`` (bucket, 0, seconds); ``prefill_factor``: the median of served / isolated
+    cost over the buckets; ``decode_factor``: how much slower the background's decode
+    iterations ran with a probe's prefill in flight than without (medians, see
+    :func:`decode_contention`). Both >= 1: PD's ``contention`` on one host."""
+
+    fit: object
+    samples: tuple
+    prefill_factor: float
+    decode_factor: float
+
+
 def calibrate_served_prefill(engine, prompt_lens: Sequence[int], decode_fit, background: int = 2,
-                             probes: int = 4, seed: int = 0):
+                             probes: int = 6, seed: int = 0) -> ServedPrefill:
     """The prefill as the engine serves it while others decode: ``background`` requests
     decode while ``probes`` one-token requests of each prompt length arrive one at a time
     (spaced well apart, at random phases of the decode steps). A probe's prefill cost is its
     TTFT less the decode loop's delay as the simulator models it
     (:func:`loop_delay_steps` x the background's decode step); the medians per padding
-    bucket are fitted to cost(q, c) = a q^2 + b q c + g q + d. Returns (PrefillCostFit,
-    samples [(bucket, 0, seconds)])."""
+    bucket are fitted to cost(q, c) = a q^2 + b q c + g q + d, and compared with the
+    engine's isolated ``prefill_cost``."""
     from pdjax.analysis.costmodel_fit import fit_prefill_cost
     from pdjax.disagg.prefill import bucket
     rng = np.random.default_rng(seed)
     bg_len = min(prompt_lens)
     step = float(decode_fit(background, background * bg_len))
-    samples = []
+    samples, ratios, busy, idle = [], [], [], []
     for L in sorted(set(prompt_lens)):
-        gap = 3 * float(engine.prefill_cost(bucket(L, engine.prefill.size), 0)) + 10 * step
+        q = bucket(L, engine.prefill.size)
+        isolated = float(engine.prefill_cost(q, 0))
+        gap = 3 * isolated + 10 * step
         arrivals = [0.0] * background + [5 * step + i * gap + float(rng.uniform(0, step)) for i in range(probes)]
         tokens = min(int((arrivals[-1] + gap) / step) + 8, engine.max_context - bg_len)
         prompts = prompts_for([bg_len] * background + [L] * probes, engine.cfg.vocab_size, seed + L)
         engine.generate(prompts, max_new_tokens=[tokens] * background + [1] * probes, arrival_times=arrivals)
         ttft = [r["ttft"] for r in engine.stats["requests"][background:]]
-        cost = float(np.median(ttft)) - loop_delay_steps(engine) * step
-        samples.append((bucket(L, engine.prefill.size), 0, max(cost, 1e-6)))
-    samples = (samples * 4)[:max(4, len(samples))]      # the fit needs four samples
-    return fit_prefill_cost(samples, intercept=True), samples
+        cost = max(float(np.median(ttft)) - loop_delay_steps(engine) * step, 1e-6)
+        samples.append((q, 0, cost))
+        ratios.append(cost / isolated)
+        dc = decode_contention(engine.stats, decode_fit)
+        busy.append(dc["prefill"])
+        idle.append(dc["no_prefill"])
+    fit = fit_prefill_cost((samples * 4)[:max(4, len(samples))], intercept=True)   # the fit needs four
+    d = float(np.nanmedian(busy) / np.nanmedian(idle)) if not np.all(np.isnan(busy)) else 1.0
+    return ServedPrefill(fit, tuple(samples), max(1.0, float(np.median(ratios))), max(1.0, d))
 
 
 # ---- the simulated twin -----------------------------------------------------------------------
@@ -232,11 +253,12 @@ def engine_cost(engine, decode_fit: DecodeCostFit, prefill=None) -> sim.FittedSt
                               prefill_rows=lambda q: bucket(q, size))
 
 
-def engine_deployment(engine):
+def engine_deployment(engine, contention=None):
     """The simulated deployment of ``engine``: its decode slots (a request holds one from
     its reservation to its end), its chunking, one request per prefill call; colocated:
     alternating steps on one instance; PD: one prefill instance with a rank per prefill
-    worker, one decode instance, the engine's measured link bandwidth, layer-wise."""
+    worker, one decode instance, the engine's measured link bandwidth, layer-wise, and
+    ``contention`` (prefill, decode factors: the pools share the host) when given."""
     budget = engine.prefill_chunk_tokens or engine.max_context
     if engine.prefill_budget_s is not None:
         raise ValueError("time-budget chunking (prefill_budget_s) is not modelled here; use prefill_chunk_tokens")
@@ -245,7 +267,8 @@ def engine_deployment(engine):
                              prefill_max_requests=1, decode_loop=True)
     return sim.PDDisaggregated(1, 1, link_bw=engine.link_bandwidth_Bps, token_budget=budget,
                                dp_ranks=len(engine.prefills), max_batch=engine.decode.slots,
-                               num_layers=engine.cfg.num_hidden_layers, prefill_max_requests=1, decode_loop=True)
+                               num_layers=engine.cfg.num_hidden_layers, prefill_max_requests=1, decode_loop=True,
+                               contention=contention)
 
 
 # ---- measured vs predicted ----------------------------------------------------------------------
@@ -308,31 +331,32 @@ def decode_contention(stats: dict, decode_fit: DecodeCostFit) -> dict:
 
 @dataclasses.dataclass
 class Comparison:
-    """One engine's run: the ``rows`` (see :func:`percentile_rows`), per prefill model
-    (``"served"``: :func:`calibrate_served_prefill`; ``"isolated"``: the engine's own
-    ``calibrate_prefill``) its simulation and cost model, the calibration samples (decode:
-    (B, K, joined, left, s); served prefill: (bucket, 0, s)) and the engine's stats."""
+    """One engine's run: the ``rows`` (see :func:`percentile_rows`), per prediction (see
+    :data:`PREDICTIONS`) its simulation and cost model, the calibrations (``decode``, the
+    ``served`` prefill) and the engine's stats."""
 
     rows: list
     sims: dict
     costs: dict
     decode: DecodeCalibration
-    prefill_samples: list
+    served: ServedPrefill
     stats: dict
 
 
-#: The simulator's predictions: "jitter" (prefill as served, the decode steps' measured
-#: spread), "served" (prefill as served, deterministic steps), "isolated" (the engine's own
-#: calibrate_prefill, deterministic steps).
-PREDICTIONS = ("jitter", "served", "isolated")
+#: The simulator's predictions. "model": every measured effect: colocated, the prefill as
+#: served beside decode steps; PD, the isolated prefill and the two pools' contention on the
+#: shared host (a step beside the other pool's costs the measured factor); both with the
+#: decode steps' measured spread. "no_jitter": the same with deterministic steps.
+#: "isolated": the engine's own calibrate_prefill and the decode fit, nothing else.
+PREDICTIONS = ("model", "no_jitter", "isolated")
 
 
 def compare_engine(kind: str, params, cfg, trace: Sequence, *, setup: EngineSetup = EngineSetup(),
                    seed: int = 0, decode_batches: Sequence[int] = (1, 2, 4, 8), decode_tokens: int = 32,
                    prefill_repeats: int = 3, probes: int = 6, devices=None) -> Comparison:
     """Build a ``kind`` engine, warm it up on the trace's prompt lengths, measure its costs
-    (prefill isolated and as served, decode loop), serve ``trace`` and simulate it with
-    each prefill model; returns a :class:`Comparison`."""
+    (prefill isolated and as served, decode loop), serve ``trace`` and simulate it
+    (:data:`PREDICTIONS`); returns a :class:`Comparison`."""
     from pdjax.disagg.prefill import bucket
     engine = build_engine(kind, params, cfg, setup, devices)
     lens = sorted({r.input_len for r in trace})
@@ -345,16 +369,18 @@ def compare_engine(kind: str, params, cfg, trace: Sequence, *, setup: EngineSetu
     shapes = (shapes * 4)[:max(4, len(shapes))]   # the fit needs four samples: repeat, never compile more
     engine.calibrate_prefill(shapes=shapes, repeats=prefill_repeats, intercept=True)
     dec = calibrate_decode(engine, (lens[0], lens[-1]), decode_batches, decode_tokens, seed=seed)
-    served_fit, p_samples = calibrate_served_prefill(engine, lens, dec.fit, probes=probes, seed=seed)
+    served = calibrate_served_prefill(engine, lens, dec.fit, probes=probes, seed=seed)
     stats = serve(engine, trace, seed)
-    served = engine_cost(engine, dec.fit, served_fit)
-    costs = {"jitter": served, "served": served, "isolated": engine_cost(engine, dec.fit)}
-    dep = engine_deployment(engine)
-    sims = {name: sim.simulate(dep, cost, trace, decode_jitter=dec.jitter if name == "jitter" else None,
-                               jitter_seed=seed)
-            for name, cost in costs.items()}
+    isolated = engine_cost(engine, dec.fit)
+    if engine.colocated:
+        model, dep = engine_cost(engine, dec.fit, served.fit), engine_deployment(engine)
+    else:
+        model, dep = isolated, engine_deployment(engine, (served.prefill_factor, served.decode_factor))
+    runs = {"model": (dep, model, dec.jitter), "no_jitter": (dep, model, None),
+            "isolated": (engine_deployment(engine), isolated, None)}
+    sims = {name: sim.simulate(d, cost, trace, decode_jitter=jit, jitter_seed=seed) for name, (d, cost, jit) in runs.items()}
     rows = percentile_rows(kind, measured_latencies(stats), {k: r.summary for k, r in sims.items()})
-    return Comparison(rows, sims, costs, dec, p_samples, stats)
+    return Comparison(rows, sims, {name: cost for name, (_, cost, _) in runs.items()}, dec, served, stats)
 
 
 def compare(params, cfg, trace: Sequence, kinds: Sequence[str] = ("colocated", "pd"), **kwargs) -> list[Comparison]:

@@ -97,6 +97,10 @@ class PDDisaggregated:
     ``decode_loop`` (one decode instance): the handshake is done by the decode loop of
     pdjax's engines, which looks at its queues only between decode steps: a request that
     arrives during a decode step is placed when the step ends.
+    ``contention``: (prefill factor, decode factor) >= 1 for pools that share one host's
+    cores (pdjax's PDEngine on CPU devices): a prefill step that starts while a decode step
+    is in flight takes the first factor times its cost, a decode step that starts while a
+    prefill step is in flight the second.
     """
 
     num_prefill: int
@@ -116,6 +120,7 @@ class PDDisaggregated:
     controller: Optional[ControllerConfig] = None
     prefill_max_requests: Optional[int] = None
     decode_loop: bool = False
+    contention: Optional[tuple] = None
 
     kind = "pd"
 
@@ -136,6 +141,13 @@ class PDDisaggregated:
         _pos_int(o, "long_threshold", self.long_threshold)
         if self.prefill_max_requests is not None:
             _pos_int(o, "prefill_max_requests", self.prefill_max_requests)
+        if self.contention is not None:
+            c = tuple(self.contention)
+            if len(c) != 2 or not all(isinstance(f, (int, float)) and not isinstance(f, bool)
+                                      and math.isfinite(f) and f >= 1 for f in c):
+                raise ValueError(f"{o}.contention must be (prefill factor, decode factor), each >= 1, got "
+                                 f"{self.contention!r}")
+            object.__setattr__(self, "contention", (float(c[0]), float(c[1])))
         if self.decode_loop and (self.num_decode != 1 or self.controller is not None):
             raise ValueError(f"{o}.decode_loop models one engine's decode loop: it needs num_decode=1 "
                              "and no controller")

@@ -198,6 +198,12 @@ class Simulator:
         if self.jitter is not None and inst.decode_step:
             factors, rng = self.jitter
             dur *= float(factors[rng.integers(len(factors))])
+        contention = getattr(self.dep, "contention", None)
+        if contention is not None:
+            if inst.pool == "prefill" and any(d.busy for d in self.decode):
+                dur *= contention[0]
+            elif inst.pool == "decode" and any(p.busy for p in self.prefill):
+                dur *= contention[1]
         inst.busy = True
         inst.busy_time += dur
         self.schedule(t + dur, STEP, inst)

@@ -161,6 +161,22 @@ def test_decode_jitter_scales_decode_steps_only_and_is_seeded():
         sim.simulate(dep, flat_cost(), reqs, decode_jitter=[1.0, 0.0])
 
 
+def test_pd_contention_slows_a_step_that_starts_beside_the_other_pool():
+    """A (8 in, 13 out) prefills [0, 10] alone, decodes from 10; B arrives at 12.5: its
+    prefill starts beside a decode step (x 2: [12.5, 32.5]); A's steps starting while it
+    runs take 3 s (x 3): [13, 16], ..., [31, 34]; then 1 s again."""
+    reqs = [Request(0, 0.0, 8, 13), Request(1, 12.5, 8, 2)]
+    dep = sim.PDDisaggregated(1, 1, link_bw=1e15, prefill_max_requests=1, contention=(2.0, 3.0))
+    a, b = sim.simulate(dep, flat_cost(), reqs).requests
+    assert b.t_first == pytest.approx(12.5 + 2 * P)
+    # A: steps end 11, 12, 13 (alone), then 7 steps of 3 s starting at 13..31 (B's prefill runs
+    # until 32.5), then 1 s steps: 12 tokens after the first
+    assert a.t_finish == pytest.approx(13 + 7 * 3 + 2 * D)
+    for bad in ((0.5, 1.0), (1.0,), (1.0, float("nan"))):
+        with pytest.raises(ValueError, match="contention"):
+            sim.PDDisaggregated(1, 1, link_bw=1.0, contention=bad)
+
+
 @pytest.mark.parametrize("kw", [dict(step_policy="both"), dict(prefill_max_requests=0)])
 def test_colocated_policy_errors(kw):
     with pytest.raises(ValueError, match="Colocated"):
