@@ -90,6 +90,8 @@ def main():
             print(f"  prefill, as served while decoding:          {c.served.fit}")
             print(f"  served / isolated prefill x{c.served.prefill_factor:.2f}; decode iterations beside a "
                   f"prefill x{c.served.decode_factor:.2f}" + ("" if kind == "pd" else " (not used: the pool lock)"))
+            print("  'served decode iterations / fitted' without a prefill != 1: the step cost drifted between "
+                  "calibration and serving (other processes)")
             j = np.percentile(c.decode.jitter, [10, 50, 90])
             print(f"  decode loop: {c.decode.fit}")
             print(f"  decode step spread (measured / fitted, plain iterations): P10 {j[0]:.2f} "

@@ -343,11 +343,10 @@ class Comparison:
     stats: dict
 
 
-#: The simulator's predictions. "model": every measured effect: colocated, the prefill as
-#: served beside decode steps; PD, the isolated prefill and the two pools' contention on the
-#: shared host (a step beside the other pool's costs the measured factor); both with the
-#: decode steps' measured spread. "no_jitter": the same with deterministic steps.
-#: "isolated": the engine's own calibrate_prefill and the decode fit, nothing else.
+#: The simulator's predictions. "model": every measured effect: the prefill as served beside
+#: decode steps, the decode steps' measured spread and, PD, decode steps beside a prefill
+#: slowed by the measured factor (the pools share the host). "no_jitter": the same with
+#: deterministic steps. "isolated": the engine's own calibrate_prefill and the decode fit.
 PREDICTIONS = ("model", "no_jitter", "isolated")
 
 
@@ -371,11 +370,11 @@ def compare_engine(kind: str, params, cfg, trace: Sequence, *, setup: EngineSetu
     dec = calibrate_decode(engine, (lens[0], lens[-1]), decode_batches, decode_tokens, seed=seed)
     served = calibrate_served_prefill(engine, lens, dec.fit, probes=probes, seed=seed)
     stats = serve(engine, trace, seed)
-    isolated = engine_cost(engine, dec.fit)
-    if engine.colocated:
-        model, dep = engine_cost(engine, dec.fit, served.fit), engine_deployment(engine)
-    else:
-        model, dep = isolated, engine_deployment(engine, (served.prefill_factor, served.decode_factor))
+    isolated, model = engine_cost(engine, dec.fit), engine_cost(engine, dec.fit, served.fit)
+    # PD: the served prefill already ran beside decode steps; decode steps beside a prefill
+    # take the measured factor (a factor on the prefill too, applied when a decode step is in
+    # flight at its start, feeds back: decode steps are in flight most of the time)
+    dep = engine_deployment(engine, None if engine.colocated else (1.0, served.decode_factor))
     runs = {"model": (dep, model, dec.jitter), "no_jitter": (dep, model, None),
             "isolated": (engine_deployment(engine), isolated, None)}
     sims = {name: sim.simulate(d, cost, trace, decode_jitter=jit, jitter_seed=seed) for name, (d, cost, jit) in runs.items()}
