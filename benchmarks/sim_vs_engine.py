@@ -3,16 +3,24 @@
 A Poisson trace (prompt lengths mixed over five padding buckets, 24..320 tokens; outputs
 uniform 8..48 tokens) is served by ColocatedEngine and by PDEngine (configs.tiny(), 4 + 4
 simulated CPU devices, 8 decode slots, whole-prompt prefill) and replayed through pdjax.sim
-with each engine's own measured costs (pdjax.experiments.sim_vs_engine: prefill fitted by
-engine.calibrate_prefill on the trace's padding buckets, decode fitted on the engine's own
-decode-loop iterations). Prints measured vs predicted TTFT and ITL at P50 / P90 with the
-relative error (predicted / measured - 1), per repeat and the median over repeats.
+with each engine's own costs, measured when it runs (pdjax.experiments.sim_vs_engine):
+prefill by engine.calibrate_prefill ("isolated") and as served beside decode steps, the
+decode loop's iteration t(B, K, joined, left) fitted on the engine's own closed batches,
+its spread, and (PD) how much slower decode steps run beside a prefill on the shared cores.
+
+Prints measured vs predicted TTFT and ITL at P50 / P90 with the relative error (predicted /
+measured - 1) for three predictions: "sim" (everything measured), "no jitter" (the same with
+deterministic steps), "isolated" (calibrate_prefill and the decode fit only), per repeat and
+the median over repeats; and per run the fits and two diagnostics: the served decode
+iterations over the fitted step with and without a prefill in flight (without: the drift of
+the step cost between calibration and serving, i.e. the noise floor on a shared machine).
+See docs/sim.md#held-against-the-engines for a reference run and the error analysis.
 
 Every cost is measured at run time: on 2 shared cores, check `top` first and expect noise.
 
 Run: .venv/bin/python benchmarks/sim_vs_engine.py [--requests 300] [--rate 12] [--seed 0]
      [--repeats 3] [--engines colocated,pd] [--chunk 0] [--quick]
-(--quick: 40 requests, one repeat, well under a minute once compiled)
+(defaults: ~4 min; --quick: 40 requests, one repeat, ~30 s once compiled)
 """
 
 from __future__ import annotations
@@ -90,15 +98,14 @@ def main():
             print(f"  prefill, as served while decoding:          {c.served.fit}")
             print(f"  served / isolated prefill x{c.served.prefill_factor:.2f}; decode iterations beside a "
                   f"prefill x{c.served.decode_factor:.2f}" + ("" if kind == "pd" else " (not used: the pool lock)"))
-            print("  'served decode iterations / fitted' without a prefill != 1: the step cost drifted between "
-                  "calibration and serving (other processes)")
             j = np.percentile(c.decode.jitter, [10, 50, 90])
             print(f"  decode loop: {c.decode.fit}")
             print(f"  decode step spread (measured / fitted, plain iterations): P10 {j[0]:.2f} "
                   f"P50 {j[1]:.2f} P90 {j[2]:.2f}")
             dc = sve.decode_contention(c.stats, c.decode.fit)
             print(f"  served decode iterations / fitted (median): {dc['prefill']:.2f} with a prefill in flight "
-                  f"({dc['n_prefill']}), {dc['no_prefill']:.2f} without ({dc['n_no_prefill']})")
+                  f"({dc['n_prefill']}), {dc['no_prefill']:.2f} without ({dc['n_no_prefill']}; != 1: the step "
+                  f"cost drifted between calibration and serving)")
             print(f"  simulated utilisation {util}, measured span {c.stats['elapsed_s']:.2f} s "
                   f"vs simulated {s['span_s']:.2f} s")
             print_rows(c.rows, f"{kind}, run {rep + 1}")
