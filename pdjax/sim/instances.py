@@ -27,8 +27,8 @@ def handoff_overhead(cost, st: "DecodeState", joins: bool = True, leaves: bool =
     """The cost model's ``decode_overhead(joined, left)`` for the step about to run (0 when
     the model has none). The caller drops what its driver does off the critical path:
     ``leaves`` only for a step right after the previous decode step (a loop that went idle
-    freed the blocks while idle); neither after a prefill step (the loop did that work while
-    the prefill held the pool)."""
+    freed the blocks while idle); neither after a prefill step during which the loop had a
+    batch (it did that work while the prefill held the pool)."""
     f = getattr(cost, "decode_overhead", None)
     if f is None:
         return 0.0
