@@ -9,7 +9,7 @@
 
 Modules (one concept each): ``cost`` (the cost-model protocol, LinearStepCost),
 ``workload`` / ``trace`` (requests), ``prefix_cache`` (hash-chain LRU with TTL),
-``policies`` (balancers, chunk sizing), ``instances`` / ``afd`` (step planning),
+``policies`` (balancers, chunk sizing), ``instances`` / ``colocated`` / ``afd`` (step planning),
 ``deployment`` (specs), ``controller`` (dynamic P:D), ``engine`` (the event loop),
 ``metrics``, ``search`` (sweeps and SLO binary search); the experiments built on them:
 ``pdjax.experiments.serving``.

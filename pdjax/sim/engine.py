@@ -30,7 +30,8 @@ import numpy as np
 from pdjax.sim.afd import AFDStepModel
 from pdjax.sim.controller import PDController
 from pdjax.sim.cost import check_cost_model, num_layers_of
-from pdjax.sim.instances import ColocatedInstance, DecodeInstance, PrefillInstance
+from pdjax.sim.colocated import ColocatedInstance
+from pdjax.sim.instances import DecodeInstance, PrefillInstance
 from pdjax.sim.metrics import SLO, summarize
 from pdjax.sim.policies import length_bucket, pick_by_quota, pick_decode
 from collections import OrderedDict
