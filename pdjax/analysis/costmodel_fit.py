@@ -15,7 +15,9 @@ support it is the unconstrained solution). Columns are scaled to unit norm befor
 solving, so noise-free samples are recovered to ~1e-12 relative.
 
 The decode step has its own model, t(B, K) = d0 + d1 B + d2 K (B requests, K cached
-tokens summed over them), fitted by the same NNLS (:func:`fit_decode_cost`).
+tokens summed over them), fitted by the same NNLS (:func:`fit_decode_cost`); an engine's
+decode loop adds per-request handoff work between steps, dj per request joining the batch
+and dl per request leaving it (``fit_decode_cost(..., handoff=True)``).
 """
 
 from __future__ import annotations
@@ -201,25 +203,37 @@ class DecodeCostFit:
 
     d0 is the per-step cost that does not grow with the batch (the weight read of a
     memory-bound step, dispatch), d1 the per-request cost (activations, expert rows,
-    the lm_head row), d2 the per-cached-token cost (reading the latent KV in attention)."""
+    the lm_head row), d2 the per-cached-token cost (reading the latent KV in attention).
+    ``dj`` / ``dl``: seconds an engine's decode loop adds to a step per request joining the
+    batch (writing its KV into the blocks, admitting it) / leaving it (freeing its blocks);
+    0 unless fitted with ``handoff=True`` (see :meth:`overhead`)."""
 
     d0: float
     d1: float
     d2: float
     r2: float
     n: int
+    dj: float = 0.0
+    dl: float = 0.0
 
     def __call__(self, B, K):
         """Predicted seconds of a step of ``B`` requests over ``K`` cached tokens in total
         (scalars or numpy arrays)."""
         return self.d0 + self.d1 * B + self.d2 * K
 
+    def overhead(self, joined, left):
+        """Seconds of handoff work in the loop iteration of a step that ``joined`` requests
+        joined and after ``left`` requests left: dj * joined + dl * left."""
+        return self.dj * joined + self.dl * left
+
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     def __str__(self) -> str:
-        return (f"t(B, K) = {self.d0:.4g} + {self.d1:.4g} B + {self.d2:.4g} K s  "
-                f"(R^2 = {self.r2:.4f}, n = {self.n})")
+        s = f"t(B, K) = {self.d0:.4g} + {self.d1:.4g} B + {self.d2:.4g} K"
+        if self.dj or self.dl:
+            s += f" + {self.dj:.4g} joined + {self.dl:.4g} left"
+        return f"{s} s  (R^2 = {self.r2:.4f}, n = {self.n})"
 
 
 def decode_design_matrix(B, K) -> np.ndarray:
@@ -229,21 +243,39 @@ def decode_design_matrix(B, K) -> np.ndarray:
     return np.stack([np.ones_like(B), B, K], axis=1)
 
 
-def fit_decode_cost(samples: Sequence[tuple[float, float, float]]) -> DecodeCostFit:
+def fit_decode_cost(samples: Sequence[tuple], *, handoff: bool = False) -> DecodeCostFit:
     """Fit t(B, K) = d0 + d1 B + d2 K to measured decode steps ``samples``
     [(B, K, seconds), ...] (B requests, K cached tokens summed over them) by non-negative
     least squares (the exact NNLS of :func:`nnls_small`, as for the prefill); returns a
     :class:`DecodeCostFit` with R^2 on the samples.
 
-    ValueError: fewer than 3 samples, non-finite or negative values, or B < 1 (a decode step
-    serves at least one request)."""
-    arr = _as_samples(samples, ("B", "K"))
-    if len(arr) < 3:
-        raise ValueError(f"fit_decode_cost needs at least 3 samples, got {len(arr)}")
+    ``handoff=True``: samples are decode-loop iterations (B, K, joined, left, seconds) and
+    the fit adds dj * joined + dl * left (requests that joined the step / left before it).
+
+    ValueError: too few samples (3, or 5 with ``handoff``), non-finite or negative values,
+    or B < 1 (a decode step serves at least one request)."""
+    if not handoff:
+        arr = _as_samples(samples, ("B", "K"))
+    else:
+        try:
+            arr = np.asarray([tuple(s) for s in samples], dtype=np.float64)
+        except (TypeError, ValueError):
+            raise ValueError("samples must be (B, K, joined, left, seconds) tuples") from None
+        if arr.ndim != 2 or arr.shape[1] != 5:
+            raise ValueError(f"samples must be (B, K, joined, left, seconds) tuples, got shape {arr.shape}")
+        if not np.all(np.isfinite(arr)) or np.any(arr < 0):
+            raise ValueError("samples must be finite and >= 0")
+        arr = arr[:, [0, 1, 4, 2, 3]]               # (B, K, seconds, joined, left)
+    need = 5 if handoff else 3
+    if len(arr) < need:
+        raise ValueError(f"fit_decode_cost needs at least {need} samples, got {len(arr)}")
     B, K, y = arr[:, 0], arr[:, 1], arr[:, 2]
     if np.any(B < 1):
         raise ValueError(f"sample B must be >= 1 (requests in the step), got {B[B < 1][0]!r}")
     X = decode_design_matrix(B, K)
+    if handoff:
+        X = np.concatenate([X, arr[:, 3:5]], axis=1)
     coef = nnls_small(X, y)
-    d0, d1, d2 = (float(v) for v in coef)
-    return DecodeCostFit(d0=d0, d1=d1, d2=d2, r2=r_squared(y, X @ coef), n=len(arr))
+    d0, d1, d2 = (float(v) for v in coef[:3])
+    dj, dl = (float(v) for v in coef[3:5]) if handoff else (0.0, 0.0)
+    return DecodeCostFit(d0=d0, d1=d1, d2=d2, r2=r_squared(y, X @ coef), n=len(arr), dj=dj, dl=dl)

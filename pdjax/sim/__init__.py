@@ -9,7 +9,7 @@
 
 Modules (one concept each): ``cost`` (the cost-model protocol, LinearStepCost),
 ``workload`` / ``trace`` (requests), ``prefix_cache`` (hash-chain LRU with TTL),
-``policies`` (balancers, chunk sizing), ``instances`` / ``afd`` (step planning),
+``policies`` (balancers, chunk sizing), ``instances`` / ``colocated`` / ``afd`` (step planning),
 ``deployment`` (specs), ``controller`` (dynamic P:D), ``engine`` (the event loop),
 ``metrics``, ``search`` (sweeps and SLO binary search); the experiments built on them:
 ``pdjax.experiments.serving``.
@@ -18,7 +18,7 @@ Pure Python + numpy (matplotlib for plots); no jax. See docs/sim.md.
 
 from pdjax.sim.afd import AFDStepModel, afd_layer_cycle, exchange_hidden
 from pdjax.sim.controller import ControllerConfig, PDController
-from pdjax.sim.cost import AFDCostModel, LinearStepCost, StepCostModel, check_cost_model
+from pdjax.sim.cost import AFDCostModel, FittedStepCost, LinearStepCost, StepCostModel, check_cost_model
 from pdjax.sim.deployment import AFDisaggregated, Colocated, PDDisaggregated
 from pdjax.sim.engine import SimResult, Simulator, simulate
 from pdjax.sim.metrics import SLO, percentiles, summarize
@@ -32,7 +32,7 @@ from pdjax.sim.workload import LengthDist, Request, WorkloadSpec, generate, leng
 
 __all__ = [
     "AFDCostModel", "AFDStepModel", "AFDisaggregated", "Colocated", "ControllerConfig",
-    "DEFAULT_BUCKET_EDGES", "LengthDist", "LinearStepCost", "PDController", "PDDisaggregated",
+    "DEFAULT_BUCKET_EDGES", "FittedStepCost", "LengthDist", "LinearStepCost", "PDController", "PDDisaggregated",
     "PrefixCache", "Request", "SLO", "SimResult", "Simulator", "StepCostModel", "WorkloadSpec",
     "af_ratio_sweep", "afd_layer_cycle", "check_cost_model", "chunk_for_budget", "exchange_hidden", "generate",
     "length_bucket", "length_dist", "load_trace", "max_rate_under_slo", "pd_ratio_sweep", "percentiles", "pick_by_quota", "pick_decode",

@@ -11,6 +11,10 @@ these methods works, e.g. ``pdjax.analysis.costmodel.RooflineCostModel``:
   over a link of ``link_bw`` bytes/s;
 * ``kv_bytes_per_token()``: KV bytes per token over all layers.
 
+Optional: ``decode_overhead(joined, left)``, seconds a decode step's iteration adds for the
+requests that joined that step and those that left after the step before (an engine's
+handoff work between steps); the simulator adds it when the model has it.
+
 AF disaggregation additionally needs the decode step split into its attention side and
 its FFN side (:class:`AFDCostModel`): ``decode_attention_time(kv_lens)`` and
 ``decode_ffn_time(num_tokens)``.
@@ -23,13 +27,17 @@ its FFN side (:class:`AFDCostModel`): ``decode_attention_time(kv_lens)`` and
 
 ``LinearStepCost.from_roofline(cfg, hw)`` derives every coefficient from a ModelConfig
 and a hardware preset (see its docstring); nothing is typed in.
+
+:class:`FittedStepCost` wraps costs fitted to an engine's measured steps (a
+``pdjax.analysis.costmodel_fit.PrefillCostFit`` and ``DecodeCostFit``), so the simulator can
+replay a trace against the engine it models (``pdjax.experiments.sim_vs_engine``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Protocol, Sequence, runtime_checkable
+from typing import Callable, Optional, Protocol, Sequence, runtime_checkable
 
 from pdjax.analysis.afd import afd_exchange_bytes
 from pdjax.analysis import (attention_flops_per_token, hardware, kv_bytes_per_token,
@@ -248,3 +256,66 @@ class LinearStepCost:
             kv_capacity=capacity, kv_capacity_attention=capacity_attn, cfg=cfg,
             note=f"roofline of {cfg.model_type} on {ep_size} x {hw.name} {dtype}, "
                  f"mfu={mfu:g}, mbu={mbu:g}")
+
+
+@dataclasses.dataclass(frozen=True)
+class FittedStepCost:
+    """A step cost model from costs fitted to an engine's measured steps.
+
+    * ``prefill(q, c)``: seconds of one prefill call of q new tokens over c cached ones
+      (e.g. a :class:`~pdjax.analysis.costmodel_fit.PrefillCostFit`); a step of several
+      chunks costs the sum of its chunks (one call each, as pdjax's prefill pools run one
+      request per call). ``prefill_rows(q)``: the rows the engine really computes for a
+      chunk of q tokens (its padding bucket; None: q), applied before ``prefill``.
+    * ``decode(B, K)``: seconds of one decode step of B requests holding K cached tokens in
+      all (e.g. a :class:`~pdjax.analysis.costmodel_fit.DecodeCostFit`).
+    * ``kv_bytes``: KV bytes per token over all layers (what a handoff moves);
+      ``num_layers``: layers of the layer-wise transfer.
+    """
+
+    prefill: Callable
+    decode: Callable
+    kv_bytes: int
+    num_layers: int = 1
+    prefill_rows: Optional[Callable] = None
+
+    def __post_init__(self):
+        if not callable(self.prefill) or not callable(self.decode):
+            raise ValueError("FittedStepCost needs callables prefill(q, c) and decode(B, K)")
+        if self.prefill_rows is not None and not callable(self.prefill_rows):
+            raise ValueError("FittedStepCost.prefill_rows must be a callable q -> rows or None")
+        if isinstance(self.kv_bytes, bool) or not isinstance(self.kv_bytes, (int, float)) or self.kv_bytes <= 0:
+            raise ValueError(f"FittedStepCost.kv_bytes must be > 0, got {self.kv_bytes!r}")
+        if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers < 1:
+            raise ValueError(f"FittedStepCost.num_layers must be an integer >= 1, got {self.num_layers!r}")
+
+    def prefill_step_time(self, chunks: Sequence[tuple[int, int]]) -> float:
+        """Sum over the chunks of prefill(rows(q), c) seconds."""
+        rows = self.prefill_rows or (lambda q: q)
+        return float(sum(self.prefill(rows(q), c) for q, c in chunks if q > 0))
+
+    def decode_step_time(self, kv_lens: Sequence[int]) -> float:
+        """decode(len(kv_lens), sum(kv_lens)) seconds (0 for an empty batch)."""
+        if not len(kv_lens):
+            return 0.0
+        return self.decode_step_time_totals(len(kv_lens), sum(kv_lens))
+
+    def decode_step_time_totals(self, n: int, sum_kv: float) -> float:
+        """Fast path: decode(n, sum_kv) seconds."""
+        return float(self.decode(n, sum_kv)) if n else 0.0
+
+    def decode_overhead(self, joined: int, left: int) -> float:
+        """``decode.overhead(joined, left)`` seconds when the decode fit has handoff terms
+        (:class:`~pdjax.analysis.costmodel_fit.DecodeCostFit` with dj / dl), else 0."""
+        f = getattr(self.decode, "overhead", None)
+        return float(f(joined, left)) if f is not None and (joined or left) else 0.0
+
+    def kv_transfer_time(self, num_tokens: int, link_bw: float) -> float:
+        """``num_tokens * kv_bytes / link_bw`` seconds."""
+        if not (isinstance(link_bw, (int, float)) and link_bw > 0 and math.isfinite(link_bw)):
+            raise ValueError(f"link_bw must be a positive number of bytes/s, got {link_bw!r}")
+        return num_tokens * self.kv_bytes / link_bw
+
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes per token over all layers."""
+        return self.kv_bytes

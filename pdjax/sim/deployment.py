@@ -30,15 +30,33 @@ def _pos(owner, name, v, allow_none=False):
 
 @dataclasses.dataclass(frozen=True)
 class Colocated:
-    """``num_instances`` instances each doing prefill and decode: continuous batching,
-    Sarathi-style chunked prefill with ``token_budget`` tokens per step (running decodes
-    take one each), or the largest chunks fitting ``time_budget`` seconds per step."""
+    """``num_instances`` instances each doing prefill and decode with continuous batching.
+
+    ``step_policy``: ``"mixed"`` (Sarathi-style: a step carries the running decodes, one
+    token of ``token_budget`` each, and prefill chunks filling the rest, or the largest
+    chunks fitting ``time_budget`` seconds) or ``"alternate"`` (a step is either prefill
+    chunks of at most ``token_budget`` tokens or a decode step of the running batch; when
+    both wait they take turns, as pdjax's ``ColocatedEngine`` does with its FIFO pool lock).
+    ``prefill_max_requests``: at most that many requests' chunks per prefill step (None: no
+    limit; 1: one request per call, as pdjax's prefill pools run).
+
+    ``decode_loop`` (alternate steps only): the scheduler is the decode loop of pdjax's
+    engines, which looks at its queues only between decode steps. While requests decode: an
+    arrival is seen at the end of the next decode step, and its prefill waits one more decode
+    step (the loop claims the pool for its own step first); a prefill's first token comes at
+    the end of the decode step after it (the pool lock covers the prefill's dispatch; its
+    compute finishes under that step); the loop sees the first token at the end of the next
+    decode step after it and the request joins the step after that. With nothing decoding
+    the loop waits for events and sees each at once."""
 
     num_instances: int
     token_budget: int = 2048
     time_budget: Optional[float] = None
     kv_capacity: Optional[float] = None
     max_batch: Optional[int] = None
+    step_policy: str = "mixed"
+    prefill_max_requests: Optional[int] = None
+    decode_loop: bool = False
 
     kind = "colocated"
 
@@ -49,6 +67,13 @@ class Colocated:
         _pos("Colocated", "kv_capacity", self.kv_capacity, allow_none=True)
         if self.max_batch is not None:
             _pos_int("Colocated", "max_batch", self.max_batch)
+        if self.step_policy not in ("mixed", "alternate"):
+            raise ValueError(f"Colocated.step_policy must be 'mixed' or 'alternate', got {self.step_policy!r}")
+        if self.prefill_max_requests is not None:
+            _pos_int("Colocated", "prefill_max_requests", self.prefill_max_requests)
+        if self.decode_loop and self.step_policy != "alternate":
+            raise ValueError("Colocated.decode_loop models the engines' alternating steps: "
+                             "it needs step_policy='alternate'")
 
     @property
     def num_instances_total(self) -> int:
@@ -67,6 +92,15 @@ class PDDisaggregated:
     model's). Decode: ``kv_capacity`` tokens and ``max_batch`` requests per instance,
     reserved at the handshake before prefill; requests of >= ``long_threshold`` tokens are
     balanced by KV length, shorter ones by running count. ``controller``: dynamic P:D.
+    ``prefill_max_requests``: at most that many requests' chunks per prefill step and rank
+    (None: no limit; 1: one request per call, as pdjax's prefill pools run).
+    ``decode_loop`` (one decode instance): the handshake is done by the decode loop of
+    pdjax's engines, which looks at its queues only between decode steps: a request that
+    arrives during a decode step is placed when the step ends.
+    ``contention``: (prefill factor, decode factor) >= 1 for pools that share one host's
+    cores (pdjax's PDEngine on CPU devices): a prefill step that starts while a decode step
+    is in flight takes the first factor times its cost, a decode step that starts while a
+    prefill step is in flight the second.
     """
 
     num_prefill: int
@@ -84,6 +118,9 @@ class PDDisaggregated:
     quotas: Optional[tuple] = None
     long_threshold: int = DEFAULT_BUCKET_EDGES[0]
     controller: Optional[ControllerConfig] = None
+    prefill_max_requests: Optional[int] = None
+    decode_loop: bool = False
+    contention: Optional[tuple] = None
 
     kind = "pd"
 
@@ -102,6 +139,18 @@ class PDDisaggregated:
             _pos_int(o, "max_batch", self.max_batch)
         object.__setattr__(self, "bucket_edges", check_edges(self.bucket_edges))
         _pos_int(o, "long_threshold", self.long_threshold)
+        if self.prefill_max_requests is not None:
+            _pos_int(o, "prefill_max_requests", self.prefill_max_requests)
+        if self.contention is not None:
+            c = tuple(self.contention)
+            if len(c) != 2 or not all(isinstance(f, (int, float)) and not isinstance(f, bool)
+                                      and math.isfinite(f) and f >= 1 for f in c):
+                raise ValueError(f"{o}.contention must be (prefill factor, decode factor), each >= 1, got "
+                                 f"{self.contention!r}")
+            object.__setattr__(self, "contention", (float(c[0]), float(c[1])))
+        if self.decode_loop and (self.num_decode != 1 or self.controller is not None):
+            raise ValueError(f"{o}.decode_loop models one engine's decode loop: it needs num_decode=1 "
+                             "and no controller")
         if self.quotas is not None:
             if len(self.quotas) != self.num_prefill or min(self.quotas) <= 0:
                 raise ValueError(f"{o}.quotas needs {self.num_prefill} positive numbers, got {self.quotas}")

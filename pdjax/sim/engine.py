@@ -25,10 +25,13 @@ import math
 from collections import deque
 from typing import Optional, Sequence
 
+import numpy as np
+
 from pdjax.sim.afd import AFDStepModel
 from pdjax.sim.controller import PDController
 from pdjax.sim.cost import check_cost_model, num_layers_of
-from pdjax.sim.instances import ColocatedInstance, DecodeInstance, PrefillInstance
+from pdjax.sim.colocated import ColocatedInstance
+from pdjax.sim.instances import DecodeInstance, PrefillInstance
 from pdjax.sim.metrics import SLO, summarize
 from pdjax.sim.policies import length_bucket, pick_by_quota, pick_decode
 from collections import OrderedDict
@@ -74,12 +77,18 @@ class SimResult:
 class Simulator:
     """One simulation of ``requests`` through ``deployment`` with step times from ``cost``
     (``prefix_cache``, ``slo``, ``horizon``, ``max_wait`` optional); ``run()`` returns a
-    :class:`SimResult`. :func:`simulate` is the one-call form."""
+    :class:`SimResult`. :func:`simulate` is the one-call form.
+
+    ``decode_jitter``: multiplicative factors (> 0), e.g. measured decode step times over
+    the fitted ones; each decode step's time is multiplied by one drawn uniformly from them
+    (``numpy.random.default_rng(jitter_seed)``: deterministic), for a platform whose steps
+    vary (shared cores, noisy neighbours) so that latency percentiles carry the spread."""
 
     SESSION_MEMO = 4096       # sessions whose last context chain is kept for the next turn
     def __init__(self, deployment, cost, requests: Sequence, *, prefix_cache: Optional[PrefixCache] = None,
                  slo: Optional[SLO] = None, horizon: Optional[float] = None,
-                 max_wait: Optional[float] = None):
+                 max_wait: Optional[float] = None, decode_jitter: Optional[Sequence[float]] = None,
+                 jitter_seed: int = 0):
         self.dep = deployment
         self.mode = deployment.kind
         self.cost = check_cost_model(cost, afd=self.mode == "afd")
@@ -90,6 +99,12 @@ class Simulator:
             if v is not None and not (v > 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be a finite time > 0 seconds, got {v!r}")
         self.slo, self.horizon, self.max_wait = slo, horizon, max_wait
+        self.jitter = None
+        if decode_jitter is not None:
+            factors = [float(f) for f in decode_jitter]
+            if not factors or not all(f > 0 and math.isfinite(f) for f in factors):
+                raise ValueError("decode_jitter must be a non-empty sequence of finite factors > 0")
+            self.jitter = (np.asarray(factors), np.random.default_rng(jitter_seed))
         self.cache = prefix_cache
         self._sessions: OrderedDict = OrderedDict()   # session -> (context segments, chain, state)
         self.requests = [r.fresh() for r in requests]
@@ -127,7 +142,9 @@ class Simulator:
                 self.colo.append(ColocatedInstance(
                     self, self._iid(), 0.0, capacity=cap, token_budget=d.token_budget,
                     time_budget=d.time_budget,
-                    max_batch=d.max_batch if d.max_batch is not None else math.inf))
+                    max_batch=d.max_batch if d.max_batch is not None else math.inf,
+                    alternate=d.step_policy == "alternate",
+                    max_requests=d.prefill_max_requests or math.inf, decode_loop=d.decode_loop))
             return
         self.num_layers = d.num_layers or num_layers_of(self.cost)
         if d.controller is not None and d.quotas is not None:
@@ -149,7 +166,8 @@ class Simulator:
         if role == "prefill":
             inst = PrefillInstance(self, self._iid(), t, dp_ranks=d.dp_ranks, token_budget=d.token_budget,
                                    time_budget=d.time_budget, link_bw=d.link_bw,
-                                   layerwise=d.layerwise, num_layers=self.num_layers)
+                                   layerwise=d.layerwise, num_layers=self.num_layers,
+                                   max_requests=d.prefill_max_requests or math.inf)
             self.prefill.append(inst)
             self.all_prefill.append(inst)
         else:
@@ -178,6 +196,15 @@ class Simulator:
         if not (dur >= 0 and math.isfinite(dur)):
             raise ValueError(f"cost model returned an invalid step time {dur!r} for {inst.pool} "
                              f"instance {inst.iid}")
+        if self.jitter is not None and inst.decode_step:
+            factors, rng = self.jitter
+            dur *= float(factors[rng.integers(len(factors))])
+        contention = getattr(self.dep, "contention", None)
+        if contention is not None:
+            if inst.pool == "prefill" and any(d.busy for d in self.decode):
+                dur *= contention[0]
+            elif inst.pool == "decode" and any(p.busy for p in self.prefill):
+                dur *= contention[1]
         inst.busy = True
         inst.busy_time += dur
         self.schedule(t + dur, STEP, inst)
@@ -257,6 +284,13 @@ class Simulator:
             inst.enqueue(req, t)
             self.kick(inst, t)
             return
+        if self.dep.decode_loop and self.decode[0].busy:   # seen when the loop's step ends
+            self.decode[0].unseen.append(req)
+            return
+        self.place(req, t)
+
+    def place(self, req, t: float) -> None:
+        """A PD request enters the handshake queue (FIFO behind any waiting one)."""
         if self.pending or not self.try_place(req, t):
             self.pending.append(req)
 
@@ -391,5 +425,6 @@ class Simulator:
 def simulate(deployment, cost, requests, **kwargs) -> SimResult:
     """Run ``requests`` (a list of :class:`~pdjax.sim.workload.Request`, left untouched)
     through ``deployment`` with step times from ``cost``. Keyword arguments: ``prefix_cache``,
-    ``slo``, ``horizon``, ``max_wait`` (see :class:`Simulator`)."""
+    ``slo``, ``horizon``, ``max_wait``, ``decode_jitter``, ``jitter_seed`` (see
+    :class:`Simulator`)."""
     return Simulator(deployment, cost, requests, **kwargs).run()

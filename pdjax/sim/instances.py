@@ -10,8 +10,8 @@ step ends (:meth:`complete`). Step times come from the cost model only.
 * :class:`PrefillInstance`: DP ranks with FIFO queues, chunked prefill by token budget or
   by time budget, and the outgoing KV link (layer-wise transfer, FIFO).
 * :class:`DecodeInstance`: a decode pool member (plain, or an AF unit with M ranks).
-* :class:`ColocatedInstance`: Sarathi-style mixed steps: running decodes take one token of
-  the step's token budget each and prefill chunks fill the rest.
+* :class:`~pdjax.sim.colocated.ColocatedInstance` (its own module): prefill and decode on
+  one instance.
 """
 
 from __future__ import annotations
@@ -22,8 +22,21 @@ from collections import deque
 from pdjax.sim.policies import chunk_for_budget, pick_by_quota
 
 
+def handoff_overhead(cost, st: "DecodeState", joins: bool = True, leaves: bool = True) -> float:
+    """The cost model's ``decode_overhead(joined, left)`` for the step about to run (0 when
+    the model has none). The caller drops what its driver does off the critical path:
+    ``leaves`` only for a step right after the previous decode step (a loop that went idle
+    freed the blocks while idle); neither after a prefill step during which the loop had a
+    batch (it did that work while the prefill held the pool)."""
+    f = getattr(cost, "decode_overhead", None)
+    if f is None:
+        return 0.0
+    return f(len(st.joined) if joins else 0, st.left if leaves else 0)
+
+
 class Instance:
     pool = ""
+    decode_step = False                 # the step planned last is a decode step
 
     def __init__(self, sim, iid: int, t: float):
         self.sim, self.iid = sim, iid
@@ -55,6 +68,7 @@ class DecodeState:
         self.finish_at: dict[int, list] = {}
         self.step_idx = 0
         self.joined: list = []              # joiners of the step in flight
+        self.left = 0                       # requests that left at the end of the last step
 
     def fits(self, rank: int, need: int) -> bool:
         return (self.res_tokens[rank] + need <= self.capacity
@@ -103,6 +117,7 @@ class DecodeState:
         for r in range(self.R):
             self.kv[r] += self.n[r]
         done = self.finish_at.pop(self.step_idx, [])
+        self.left = len(done)
         for req in done:
             r = req.rank
             self.n[r] -= 1
@@ -116,8 +131,9 @@ class PrefillInstance(Instance):
     pool = "prefill"
 
     def __init__(self, sim, iid, t, *, dp_ranks=1, token_budget=8192, time_budget=None,
-                 link_bw=None, layerwise=True, num_layers=1, quota=1.0):
+                 link_bw=None, layerwise=True, num_layers=1, quota=1.0, max_requests=math.inf):
         super().__init__(sim, iid, t)
+        self.max_requests = max_requests
         self.queues = [deque() for _ in range(dp_ranks)]
         self.pending = [0.0] * dp_ranks     # predicted seconds of queued work per rank
         self.token_budget, self.time_budget = token_budget, time_budget
@@ -160,7 +176,7 @@ class PrefillInstance(Instance):
             chunks.append((req, q))
             pairs.append((q, req.prefilled))
             left -= q
-            if q < remaining or left <= 0:
+            if q < remaining or left <= 0 or len(chunks) >= self.max_requests:
                 break
         return chunks
 
@@ -230,6 +246,7 @@ class DecodeInstance(Instance):
     its M attention instances."""
 
     pool = "decode"
+    decode_step = True
 
     def __init__(self, sim, iid, t, *, capacity, max_batch=math.inf, ranks=1, afd=None):
         super().__init__(sim, iid, t)
@@ -237,6 +254,8 @@ class DecodeInstance(Instance):
         self.afd = afd
         self._fast = hasattr(sim.cost, "decode_step_time_totals")
         self.t_step = 0.0
+        self.t_end = -1.0               # when the last step ended
+        self.unseen: list = []          # arrivals the decode loop sees when this step ends
 
     def join(self, req) -> None:
         self.state.joining.append(req)
@@ -246,11 +265,16 @@ class DecodeInstance(Instance):
         if not st.active:
             return None
         st.start()
+        back_to_back = t == self.t_end
         self.t_step = t
         if self.afd is not None:
             if self.afd._fast:
                 return self.afd.step_time_totals(list(zip(st.n, st.kv)))
             return self.afd.step_time([st.kv_lens(r) for r in range(st.R)])
+        return self._step_time() + handoff_overhead(self.sim.cost, st, leaves=back_to_back)
+
+    def _step_time(self) -> float:
+        st = self.state
         if self._fast:
             return self.sim.cost.decode_step_time_totals(st.n[0], st.kv[0])
         return self.sim.cost.decode_step_time(st.kv_lens(0))
@@ -264,108 +288,12 @@ class DecodeInstance(Instance):
         self.sim.tokens_out += n
         for req in st.advance():
             self.sim.finish(req, t)
+        self.t_end = t
+        seen, self.unseen = self.unseen, []
+        for req in seen:
+            self.sim.place(req, t)
 
     @property
     def empty(self) -> bool:
         st = self.state
-        return not self.busy and not st.active and not any(st.res_count)
-
-
-class ColocatedInstance(Instance):
-    pool = "colocated"
-
-    def __init__(self, sim, iid, t, *, capacity, max_batch=math.inf, token_budget=2048,
-                 time_budget=None):
-        super().__init__(sim, iid, t)
-        self.state = DecodeState(1, capacity, max_batch)
-        self.waiting: deque = deque()
-        self.prefilling: list = []
-        self.token_budget, self.time_budget = token_budget, time_budget
-        self.pending = 0.0
-        self.plan_chunks: list = []
-        self.t_step = 0.0
-        self._fast_d = hasattr(sim.cost, "decode_step_time_totals")
-        self._fast_p = hasattr(sim.cost, "prefill_step_time_totals")
-
-    def enqueue(self, req, t: float) -> None:
-        req.pred_cost = self.sim.cost.prefill_step_time([(req.input_len - req.prefilled, req.prefilled)])
-        self.pending += req.pred_cost
-        self.waiting.append(req)
-
-    def _admit(self, t: float) -> None:
-        st = self.state
-        while self.waiting and st.fits(0, self.waiting[0].context_len):
-            req = self.waiting.popleft()
-            st.reserve(req, 0)
-            req.decode_inst = self
-            req.t_handshake = t
-            self.prefilling.append(req)
-
-    def plan(self, t: float):
-        self._admit(t)
-        st = self.state
-        if not st.active and not self.prefilling:
-            return None
-        st.start()
-        self.t_step = t
-        n_dec = st.n[0]
-        left = self.token_budget - n_dec
-        cost = self.sim.cost.prefill_step_time
-        chunks, pairs = [], []
-        dec_pairs = None
-        if self.prefilling and left > 0:
-            if self.time_budget is not None:
-                dec_pairs = [(1, k) for k in st.kv_lens(0)]
-            for req in self.prefilling:
-                remaining = req.input_len - req.prefilled
-                if self.time_budget is not None:
-                    q = chunk_for_budget(cost, dec_pairs + pairs, req.prefilled,
-                                         min(remaining, left), self.time_budget)
-                else:
-                    q = min(remaining, left)
-                if q <= 0:
-                    break
-                if math.isnan(req.t_prefill_start):
-                    req.t_prefill_start = t
-                chunks.append((req, q))
-                pairs.append((q, req.prefilled))
-                left -= q
-                if q < remaining or left <= 0:
-                    break
-        self.plan_chunks = chunks
-        if not chunks:
-            if self._fast_d:
-                return self.sim.cost.decode_step_time_totals(n_dec, st.kv[0])
-            return self.sim.cost.decode_step_time(st.kv_lens(0))
-        if self._fast_p and dec_pairs is None:   # decode tokens are (1, kv) chunks
-            sq = sum(q for q, _ in pairs)
-            return self.sim.cost.prefill_step_time_totals(
-                sq + n_dec, sum(q * c for q, c in pairs) + st.kv[0],
-                sum(q * q for q, _ in pairs) + n_dec, sum(c for _, c in pairs) + st.kv[0])
-        return cost(pairs + (dec_pairs if dec_pairs is not None else [(1, k) for k in st.kv_lens(0)]))
-
-    def complete(self, t: float) -> None:
-        st = self.state
-        n = st.total_running
-        if n:
-            self.sim.record_itl(t - self.t_step, n - len(st.joined))
-            for req in st.joined:
-                self.sim.record_itl(t - req.t_first, 1)
-        self.sim.tokens_out += n
-        for req in st.advance():
-            self.sim.finish(req, t)
-        for req, q in self.plan_chunks:
-            req.prefilled += q
-            if req.prefilled >= req.input_len:
-                self.prefilling.remove(req)
-                self.pending -= req.pred_cost
-                self.sim.prefill_done(req, t, t)
-                if req.output_len > 1:
-                    st.joining.append(req)
-        if not self.prefilling and not self.waiting:
-            self.pending = 0.0
-        self.plan_chunks = []
-
-    @property
-    def empty(self) -> bool:
-        return not self.busy and not self.prefilling and not self.waiting and not self.state.active
+        return not self.busy and not st.active and not any(st.res_count) and not self.unseen

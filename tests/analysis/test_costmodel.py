@@ -433,6 +433,23 @@ def test_fit_decode_bad_input(samples, match):
         A.fit_decode_cost(samples)
 
 
+def test_fit_decode_handoff_terms():
+    """Decode-loop iterations (B, K, joined, left, seconds): the handoff terms are recovered,
+    and the step terms stay what a plain fit gives."""
+    d0, d1, d2, dj, dl = 0.002, 2e-5, 1e-8, 1.5e-3, 4e-4
+    rows = [(B, K, j, lv, d0 + d1 * B + d2 * K + dj * j + dl * lv)
+            for B, K in DECODE_GRID for j, lv in ((0, 0), (1, 0), (0, 2), (2, 1))]
+    fit = A.fit_decode_cost(rows, handoff=True)
+    assert (fit.d0, fit.d1, fit.d2, fit.dj, fit.dl) == pytest.approx((d0, d1, d2, dj, dl), rel=1e-9)
+    assert fit.overhead(2, 1) == pytest.approx(2 * dj + dl) and "joined" in str(fit)
+    plain = A.fit_decode_cost(synthetic_decode(d0, d1, d2))
+    assert plain.dj == plain.dl == 0 and plain.overhead(3, 3) == 0 and "joined" not in str(plain)
+    with pytest.raises(ValueError, match="joined, left"):
+        A.fit_decode_cost(synthetic_decode(d0, d1, d2), handoff=True)
+    with pytest.raises(ValueError, match="at least 5"):
+        A.fit_decode_cost(rows[:4], handoff=True)
+
+
 # ---- calibration against the real decode step ----------------------------------------------
 
 def test_calibrate_decode_tiny_real(tiny_cfg, tiny_params):
