@@ -239,6 +239,22 @@ class DecodePool:
         need = int(self.kv_len[active].max()) + 1 if active else 1
         return view_bucket(need, self.block_size, self.blocks_per_slot)
 
+    def warm_up(self, sampling=(False, True)) -> int:
+        """Compile the step for every view bucket (and each ``sampling`` variant) now, so no
+        later step compiles while it is timed: steps run on the pool as it is, which must be
+        empty (an empty slot's rows land in the scratch block and its state does not move).
+        Returns the number of programs run."""
+        if self.active or self.pending:
+            raise RuntimeError("warm_up needs an empty decode pool (no running or reserved request)")
+        buckets = sorted({view_bucket(n * self.block_size, self.block_size, self.blocks_per_slot)
+                          for n in range(1, self.blocks_per_slot + 1)})
+        for b in buckets:
+            for s in sampling:
+                self.cache = self.cache.with_view(b)
+                toks, self.cache, self.state = _step(self.params, self.cfg, self.cache, self.state, self.ep, s)
+        jax.block_until_ready(toks)
+        return len(buckets) * len(sampling)
+
     def step(self) -> dict[int, int]:
         """One decode step over all slots; returns {slot: new token} for the active ones.
 

@@ -150,3 +150,22 @@ def test_every_pool_and_buffer_update_is_donated(tiny_cfg, tiny_params, handoff)
     kv = np.zeros((1, 32, tiny_cfg.kv_latent_dim), np.float32)
     assert _aliased(prefill._layer_cached.lower(tiny_params["layers"][1], tiny_cfg, x, q_pos, kv, np.zeros(1, np.int32),
                                                 np.ones((1, 16), bool), None)) == 1
+
+
+def test_warm_up_compiles_every_view_bucket(tiny_cfg, tiny_params, handoff):
+    """After warm_up, serving requests of any length compiles no further step program, and
+    the pool is left as it was (empty; tokens still those of pdjax.generate)."""
+    pool = DecodePool(tiny_params, tiny_cfg, jax.devices()[:2], {"data": 2}, slots=4, block_size=64,
+                      max_context=CONTEXT)                  # 8 blocks a slot: buckets 1, 2, 3, 4, 6, 8
+    assert pool.warm_up(sampling=(False,)) == 6
+    compiled = decode._step._cache_size()
+    (items, want) = handoff
+    slots = [_admit(pool, i, p, f, r) for i, (p, f, r) in enumerate(items)]
+    out = {s: [req.output[0]] for s, req in slots}
+    for _ in range(NEW - 1):
+        for s, t in pool.step().items():
+            out[s].append(t)
+    assert [out[s] for s, _ in slots] == want
+    assert decode._step._cache_size() == compiled
+    with pytest.raises(RuntimeError, match="empty decode pool"):
+        pool.warm_up()
