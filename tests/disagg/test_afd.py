@@ -91,6 +91,20 @@ def test_afd_equals_generate(request, prompts, expected, engine, m):
     assert afd["steps"] > 0 and afd["ffn_failures"] == 0 and afd["microbatches"] == m
 
 
+def test_each_side_holds_its_weights(cfg, eng):
+    """The attention side uses the prefill's placed params (colocated: one copy on its
+    devices); the FFN side holds only the routed experts, 24 / N per FFN device."""
+    for a, b in zip(jax.tree.leaves(eng.prefill.params), jax.tree.leaves(eng.decode.params)):
+        assert [s.data.unsafe_buffer_pointer() for s in a.addressable_shards] == \
+            [s.data.unsafe_buffer_pointer() for s in b.addressable_shards]
+    ffn = eng.decode.ffn
+    for l, lp in enumerate(ffn.params):
+        assert set(lp.get("moe", {})) == ({"w_gate", "w_up", "w_down"} if cfg.is_moe_layer(l) else set())
+        for w in lp.get("moe", {}).values():
+            assert {s.device for s in w.addressable_shards} == set(ffn.mesh.devices.flat)
+            assert {s.data.shape[0] for s in w.addressable_shards} == {cfg.n_routed_experts // 4}
+
+
 def test_exchange_moves_exactly_the_hidden_states(cfg, eng, prompts, expected):
     """One request: NEW - 1 decode steps (the first token is the prefill's), each moving every
     slot's row (empty slots' rows cross too: the step's shapes are static) of each MoE layer
@@ -178,6 +192,7 @@ def test_engine_fails_the_requests_of_a_failed_step_and_serves_the_rest(eng, pro
     """Every FFN call of the first decode step fails (and their reruns): the requests running
     then end with a RequestError, the others (arriving later) finish exactly; what was
     streamed is a prefix of the right tokens; the engine serves the next batch."""
+    assert eng.generate(prompts[:4], max_new_tokens=NEW) == expected[:4]     # compiled: step 0 comes at once
     inner, eng.decode.ffn = eng.decode.ffn, FailingFFN(eng.decode.ffn, fail_calls={0, 1, 2, 3})
     streamed = {}
     try:
