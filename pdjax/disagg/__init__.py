@@ -1,6 +1,6 @@
-"""Prefill/decode disaggregation on real meshes: PDEngine, ColocatedEngine, the paged decode
-pool, the layer-wise latent-KV handoff, and two-process serving (launch_two_process), all
-driving one decode scheduler (DecodeScheduler, a state machine of typed events and actions)
+"""Prefill/decode disaggregation on real meshes: PDEngine, ColocatedEngine, AFDEngine
+(attention-FFN disaggregated decode), the paged decode pool, the layer-wise latent-KV
+handoff, and two-process serving (launch_two_process), all driving one decode scheduler (DecodeScheduler, a state machine of typed events and actions)
 over a pluggable KV link (DevicePutLink in one process, TransferLink across processes).
 
 The engines need jax (and the prefix store tensorstore): they load on first use, so the
@@ -9,7 +9,7 @@ without them."""
 
 import importlib
 
-_LAZY = {"ColocatedEngine": "engine", "PDEngine": "engine", "TwoProcessServer": "launcher",
+_LAZY = {"AFDEngine": "afd", "ColocatedEngine": "engine", "PDEngine": "engine", "TwoProcessServer": "launcher",
          "launch_two_process": "launcher", "Request": "request", "RequestError": "request",
          "SamplingParams": "request", "DecodeScheduler": "scheduler", "Chunk": "link", "DevicePutLink": "link",
          "TransferLink": "transfer"}
@@ -21,5 +21,5 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["Chunk", "ColocatedEngine", "DecodeScheduler", "DevicePutLink", "PDEngine", "Request", "RequestError",
+__all__ = ["AFDEngine", "Chunk", "ColocatedEngine", "DecodeScheduler", "DevicePutLink", "PDEngine", "Request", "RequestError",
            "SamplingParams", "TransferLink", "TwoProcessServer", "launch_two_process"]

@@ -84,13 +84,20 @@ def _step(params, cfg, cache, state, moe_impl, sampling=True):
     :func:`pdjax.disagg.request.sample` returns at temperature 0, without its sort over the
     vocabulary (and without reducing the temperatures over the mesh to find out)."""
     logits, cache = decode_core(params, cfg, state.last_token, cache, moe_impl, state.valid)
+    toks, state = advance_slots(logits, state, sampling)
+    return toks, cache, state
+
+
+def advance_slots(logits_SV, state: SlotState, sampling: bool):
+    """Sample each slot's next token from its logits [slots, V] (the argmax when ``sampling``
+    is False) and advance the running slots' state. Returns (tokens [slots], state)."""
     if sampling:
-        toks = sample(logits, state.temperature, state.top_p, state.seed, state.gen)
+        toks = sample(logits_SV, state.temperature, state.top_p, state.seed, state.gen)
     else:
-        toks = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        toks = jnp.argmax(logits_SV, axis=-1).astype(jnp.int32)
     state = dataclasses.replace(state, last_token=jnp.where(state.valid, toks, state.last_token),
                                 gen=state.gen + state.valid.astype(jnp.int32))
-    return toks, cache, state
+    return toks, state
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

@@ -98,9 +98,9 @@ class PDEngine:
         self.prefill = self.prefills[0]
         # colocated: the decode pool uses the prefill pool's placed params (same devices and
         # mesh: shard_params moves nothing), so the weights are on the devices once
-        self.decode = DecodePool(self.prefills[0].params if colocated else params, cfg, decode_devices,
-                                 decode_mesh or {"expert": len(decode_devices)}, slots=max_decode_slots, block_size=block_size, max_context=self.max_context,
-                                 num_blocks=num_blocks)
+        self.decode = self._decode_pool(self.prefills[0].params if colocated else params, cfg, decode_devices,
+                                        decode_mesh or {"expert": len(decode_devices)}, slots=max_decode_slots,
+                                        block_size=block_size, max_context=self.max_context, num_blocks=num_blocks)
         self.max_prefill_attempts = max_prefill_attempts
         self.prefill_cost, self.prefill_budget_s = prefill_cost, prefill_budget_s
         self.prefill_chunk_tokens, self.handoff_timeout_s = prefill_chunk_tokens, handoff_timeout_s
@@ -118,6 +118,10 @@ class PDEngine:
         self.link = DevicePutLink(self.decode.rank_devices, count_bytes=not colocated)
         self.timeline = None            # a Timeline: record the prefill compute and KV copies of generate
         self.stats: dict = {}
+
+    def _decode_pool(self, params, cfg: ModelConfig, devices, mesh_axes: dict, **options) -> DecodePool:
+        """The decode pool the scheduler drives (an engine may serve with a DecodePool variant)."""
+        return DecodePool(params, cfg, devices, mesh_axes, **options)
 
     # ---- prefill side --------------------------------------------------------------------
     def _cost_model(self):

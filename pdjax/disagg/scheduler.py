@@ -5,7 +5,8 @@ KV block it will need (back-pressure: the pool is full), then a *prefill attempt
 (``StartPrefill``: the driver hands it to a prefill worker, in this process or another);
 its layers *arrive* and are written into the reserved blocks; when the prefill is *ready*
 (all layers in, the first token sampled) the request joins the running batch, or finishes
-at once when one token was asked for; each decode step *emits* a token per running request;
+at once when one token was asked for; each decode step *emits* a token per running request
+(or a :class:`RequestError` for a request the step failed: it ends alone);
 it *ends* when it has its tokens or meets a stop token. An attempt that *fails*, or makes no
 progress for ``handoff_timeout_s`` (``Tick``), is cancelled (its blocks freed, the prefill
 told to stop: ``CancelPrefill``) and the request is prefilled again ahead of later arrivals,
@@ -101,7 +102,8 @@ class Tick:
 
 @dataclasses.dataclass(frozen=True)
 class Stepped:
-    """A decode step's new token per running slot."""
+    """A decode step's new token per running slot, or the :class:`RequestError` that ends
+    the slot's request (its step failed; the other slots' tokens stand)."""
     tokens: dict
     t: float
 
@@ -205,7 +207,11 @@ class DecodeScheduler:
         elif kind is Stepped:
             for slot, tok in event.tokens.items():
                 res = self.pool.slot_req[slot]
-                if self._emit(res.request, tok, event.t, out):
+                if isinstance(tok, RequestError):
+                    res.request.error = tok
+                    self.pool.release(slot)
+                    self._end(res.request, event.t, out)
+                elif self._emit(res.request, tok, event.t, out):
                     self.pool.release(slot)
         else:
             self._progress(event, out)

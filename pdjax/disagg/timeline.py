@@ -12,6 +12,8 @@ import json
 import threading
 import time
 
+import jax
+
 
 class Timeline:
     def __init__(self):
@@ -20,18 +22,21 @@ class Timeline:
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
 
-    def record(self, stream: str, name: str, array) -> None:
+    def record(self, stream: str, name: str, array) -> dict:
+        """Note ``array`` (an array or a pytree of them) issued now; its span (a dict the
+        caller may annotate) gets its ``ready`` time when all of it is ready."""
         issued = time.perf_counter() - self.t0
         span = {"stream": stream, "name": name, "issued": issued, "ready": None}
         with self._lock:
             self.spans.append(span)
 
         def watch():
-            array.block_until_ready()
+            jax.block_until_ready(array)
             span["ready"] = time.perf_counter() - self.t0
         th = threading.Thread(target=watch, daemon=True)
         th.start()
         self._threads.append(th)
+        return span
 
     def wait(self) -> "Timeline":
         for th in self._threads:

@@ -107,6 +107,20 @@ def mask_routing(weights_Nk, idx_Nk, valid_N, num_experts: int):
     return jnp.where(v, weights_Nk, 0.0), jnp.where(v, idx_Nk, spread)
 
 
+def route(p, cfg: ModelConfig, x_ND, valid_N=None):
+    """The gate's (weights [N,k] float32, expert ids [N,k] int32), padding tokens masked
+    (:func:`mask_routing`): what every MoE implementation routes by."""
+    return mask_routing(*gate(p, cfg, x_ND), valid_N, cfg.n_routed_experts)
+
+
+def shared_experts(p, cfg: ModelConfig, x_ND):
+    """The shared experts' output [N,D] (0 when the model has none), in x's dtype."""
+    if not cfg.n_shared_experts:
+        return jnp.zeros_like(x_ND)
+    s = p["shared"]
+    return swiglu(x_ND, s["w_gate"], s["w_up"], s["w_down"])
+
+
 def swiglu(x, w_gate, w_up, w_down):
     """SwiGLU MLP in x.dtype (the weights are cast to it)."""
     w_gate, w_up, w_down = (w.astype(x.dtype) for w in (w_gate, w_up, w_down))
@@ -274,11 +288,10 @@ def moe(p, cfg: ModelConfig, x_ND, impl=None, valid_N=None):
     (see :func:`mask_routing`); their outputs are meaningless."""
     if callable(impl):
         return impl(p, cfg, x_ND, valid_N)
-    weights, idx = mask_routing(*gate(p, cfg, x_ND), valid_N, cfg.n_routed_experts)
+    weights, idx = route(p, cfg, x_ND, valid_N)
     y = routed_experts(p, x_ND, weights, idx, impl)
     if cfg.n_shared_experts:
-        s = p["shared"]
-        y = y + swiglu(x_ND, s["w_gate"], s["w_up"], s["w_down"])
+        y = y + shared_experts(p, cfg, x_ND)
     return y
 
 

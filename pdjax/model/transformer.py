@@ -130,14 +130,20 @@ def attention(lp, cfg: ModelConfig, x_BTD, q_pos_BT, kv_layer_BSL=None, start_B=
     return mla.output_proj(p, o), kv
 
 
-def layer(lp, cfg: ModelConfig, x_BTD, q_pos_BT, kv_layer_BSL=None, start_B=None,
-          absorbed=False, moe_impl=None, valid_BT=None):
-    """One decoder layer: x + attn(norm(x)), then + ffn(norm(.)). Returns (x, kv).
-    ``x_BTD`` is cast to ``cfg.compute_dtype`` first (a no-op when it already is)."""
+def attention_block(lp, cfg: ModelConfig, x_BTD, q_pos_BT, kv_layer_BSL=None, start_B=None, absorbed=False):
+    """The first half of a decoder layer: x + attn(norm(x)), x cast to ``cfg.compute_dtype``
+    first (a no-op when it already is). Returns (x, kv) as :func:`attention` does."""
     x_BTD = x_BTD.astype(cfg.compute_dtype)
     h, kv = attention(lp, cfg, mla.rms_norm(x_BTD, lp["attn_norm"], cfg.rms_norm_eps), q_pos_BT,
                       kv_layer_BSL, start_B, absorbed)
-    x_BTD = x_BTD + h
+    return x_BTD + h, kv
+
+
+def layer(lp, cfg: ModelConfig, x_BTD, q_pos_BT, kv_layer_BSL=None, start_B=None,
+          absorbed=False, moe_impl=None, valid_BT=None):
+    """One decoder layer: x + attn(norm(x)) (:func:`attention_block`), then + ffn(norm(.)).
+    Returns (x, kv)."""
+    x_BTD, kv = attention_block(lp, cfg, x_BTD, q_pos_BT, kv_layer_BSL, start_B, absorbed)
     x_BTD = x_BTD + ffn(lp, cfg, mla.rms_norm(x_BTD, lp["ffn_norm"], cfg.rms_norm_eps), moe_impl, valid_BT)
     return x_BTD, kv
 

@@ -90,8 +90,7 @@ def run_layers_dbo(params, cfg, x_BTD, q_pos_BT, kv_layers, start_B, absorbed, e
         for h, n, y in ((h0, n0, y0), (h1, n1, y1)):
             y = y.reshape(h.shape)
             if cfg.n_shared_experts:
-                s = p["shared"]
-                y = y + moe_lib.swiglu(n, s["w_gate"], s["w_up"], s["w_down"])
+                y = y + moe_lib.shared_experts(p, cfg, n)
             out.append(h + y)
         x = out
         new_kv.append(jnp.concatenate([kv0, kv1]))

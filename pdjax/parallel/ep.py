@@ -113,8 +113,7 @@ class ExpertParallel:
         y, dropped = ep_moe(p, cfg, x_ND, self, valid_N)
         moe_lib.record_stat(dropped)
         if cfg.n_shared_experts:   # data-parallel: x is batch-sharded, the weights replicated
-            s = p["shared"]
-            y = y + moe_lib.swiglu(x_ND, s["w_gate"], s["w_up"], s["w_down"])
+            y = y + moe_lib.shared_experts(p, cfg, x_ND)
         return y
 
 
@@ -160,23 +159,27 @@ def _specs(ep: ExpertParallel):
     return P(ep.batch_axes if len(ep.batch_axes) > 1 else ep.batch_axes[0])
 
 
-def ep_dispatch(p, cfg: ModelConfig, x_ND, ep: ExpertParallel, valid_N=None):
+def ep_dispatch(p, cfg: ModelConfig, x_ND, ep: ExpertParallel, valid_N=None, routing=None):
     """Stage 1: route locally and send each assignment to its expert's rank.
 
     Returns (state, dropped): the in-flight state (arrays split over all devices, opaque to
     callers: pass it to :func:`ep_compute` and :func:`ep_combine`) and the dropped count
     (summed over the mesh; always 0 when dropless). ``valid_N``: False for padding tokens
-    (routed round-robin with weight 0, not counted as dropped)."""
+    (routed round-robin with weight 0, not counted as dropped). ``routing``: (weights [N,k],
+    logical expert ids [N,k]) already computed by :func:`pdjax.model.moe.route` elsewhere
+    (AF disaggregation routes on the attention side), or None: route here, on each rank."""
     pl, batch = _plan(p, cfg, x_ND.shape[0], ep), _specs(ep)
     route = {key: p[key] for key in ("router", "router_bias", "log2phy", "logcnt") if key in p}
     valid = jnp.ones(x_ND.shape[0], bool) if valid_N is None else valid_N
+    routing = () if routing is None else tuple(routing)
+    specs = (batch, batch, jax.tree.map(lambda _: P(), route), (batch,) * len(routing))
     if ep.dispatch_impl != "padded":
-        return ep_ragged.dispatch(p, cfg, x_ND, valid, ep, pl, batch, route, _physical_ids)
+        return ep_ragged.dispatch(cfg, (x_ND, valid, route, routing), specs, ep, pl, _physical_ids)
     X, C, A, axis = pl.X, pl.C, pl.A, ep.expert_axis
 
-    def local(x, valid, route):
+    def local(x, valid, route, routing):
         D = x.shape[1]
-        weights, idx = moe_lib.mask_routing(*moe_lib.gate(route, cfg, x), valid, cfg.n_routed_experts)
+        weights, idx = routing or moe_lib.route(route, cfg, x, valid)
         phys = _physical_ids(idx, route, ep).reshape(A)
         dest, loc = phys // pl.E_loc, phys % pl.E_loc
         real = jnp.repeat(valid, pl.k)
@@ -197,8 +200,8 @@ def ep_dispatch(p, cfg: ModelConfig, x_ND, ep: ExpertParallel, valid_N=None):
         dropped = jax.lax.psum(lost, tuple(ep.mesh.axis_names))
         return (recv_x, recv_e, slot, weights * keep.reshape(pl.n, pl.k)), dropped
 
-    return jax.shard_map(local, mesh=ep.mesh, in_specs=(batch, batch, jax.tree.map(lambda _: P(), route)),
-                         out_specs=((batch,) * 4, P()), check_vma=False)(x_ND, valid, route)
+    return jax.shard_map(local, mesh=ep.mesh, in_specs=specs, out_specs=((batch,) * 4, P()),
+                         check_vma=False)(x_ND, valid, route, routing)
 
 
 def ep_compute(p, state, ep: ExpertParallel):
@@ -237,10 +240,10 @@ def ep_combine(y_rows, state, ep: ExpertParallel, dtype):
                          check_vma=False)(y_rows, slot, weights)
 
 
-def ep_moe(p, cfg: ModelConfig, x_ND, ep: ExpertParallel, valid_N=None):
-    """Routed experts, expert-parallel: dispatch, compute, combine.
-    Returns (y [N,D], dropped assignments over the mesh, int32)."""
-    state, dropped = ep_dispatch(p, cfg, x_ND, ep, valid_N)
+def ep_moe(p, cfg: ModelConfig, x_ND, ep: ExpertParallel, valid_N=None, routing=None):
+    """Routed experts, expert-parallel: dispatch, compute, combine (``routing``: see
+    :func:`ep_dispatch`). Returns (y [N,D], dropped assignments over the mesh, int32)."""
+    state, dropped = ep_dispatch(p, cfg, x_ND, ep, valid_N, routing)
     y_rows = ep_compute(p, state, ep)
     return ep_combine(y_rows, state, ep, x_ND.dtype), dropped
 

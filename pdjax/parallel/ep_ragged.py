@@ -74,15 +74,17 @@ def _exclusive_cumsum(x, axis=0):
     return jnp.cumsum(x, axis=axis) - x
 
 
-def dispatch(p, cfg: ModelConfig, x_ND, valid_N, ep, plan, batch, route, physical_ids):
-    """Stage 1. Returns (state, dropped = 0); every state array is split over all devices."""
+def dispatch(cfg: ModelConfig, args, specs, ep, plan, physical_ids):
+    """Stage 1. ``args``: (x [N,D], valid [N], routing params, given routing or ()) with their
+    shard_map ``specs`` (see :func:`pdjax.parallel.ep.ep_dispatch`). Returns (state,
+    dropped = 0); every state array is split over all devices."""
     X, L, A, k, axis = plan.X, plan.E_loc, plan.A, plan.k, ep.expert_axis
     M = X * A
     a2a = _collective(ep)
 
-    def local(x, valid, route):
+    def local(x, valid, route, routing):
         D = x.shape[1]
-        weights, idx = moe_lib.mask_routing(*moe_lib.gate(route, cfg, x), valid, cfg.n_routed_experts)
+        weights, idx = routing or moe_lib.route(route, cfg, x, valid)
         phys = physical_ids(idx, route, ep).reshape(A)
         order = jnp.argsort(phys, stable=True).astype(jnp.int32)             # by expert, so by rank
         counts = jnp.bincount(phys, length=X * L).astype(jnp.int32).reshape(X, L)
@@ -100,9 +102,8 @@ def dispatch(p, cfg: ModelConfig, x_ND, valid_N, ep, plan, batch, route, physica
                  order, weights)
         return state
 
-    specs = (batch,) * 8
-    state = jax.shard_map(local, mesh=ep.mesh, in_specs=(batch, batch, jax.tree.map(lambda _: P(), route)),
-                          out_specs=specs, check_vma=False)(x_ND, valid_N, route)
+    state = jax.shard_map(local, mesh=ep.mesh, in_specs=specs, out_specs=(specs[0],) * 8,
+                          check_vma=False)(*args)
     return state, jnp.zeros((), jnp.int32)
 
 

@@ -1,5 +1,7 @@
 """Test-only fault injection at the KV link: :class:`FaultyLink` wraps any link
 (:mod:`pdjax.disagg.link`) and fails, stalls, delays, corrupts or kills on chosen chunks;
+:class:`SlowLink` slows its copies; :class:`FailingFFN` and :class:`SlowExchange` do the same
+to an AFD pool's FFN side and A2F exchange;
 :class:`ManualClock` lets a test drive the engines' time by hand. The two-process server
 loads :func:`wrap` in its prefill process (``link_wrapper="tests/disagg/faults.py:wrap"``)
 and arms faults there with ``fault`` control messages (:meth:`FaultyLink.arm`)."""
@@ -168,3 +170,45 @@ class SlowLink:
 
     def cancel(self, request: int, attempt: int) -> None:
         self.inner.cancel(request, attempt)
+
+
+class FailingFFN:
+    """Wraps an AFD pool's FFN side (``pool.ffn``): the calls numbered in ``fail_calls``
+    (0, 1, ... in the order the pool makes them) raise, as an FFN rank that went down."""
+
+    def __init__(self, inner, fail_calls=()):
+        self.inner, self.fail_calls, self.calls = inner, set(fail_calls), 0
+
+    def __call__(self, layer, pieces):
+        n, self.calls = self.calls, self.calls + 1
+        if n in self.fail_calls:
+            raise ConnectionError(f"injected: an FFN rank is down (call {n}, layer {layer})")
+        return self.inner(layer, pieces)
+
+
+class SlowExchange:
+    """An AFD exchange whose A2F copies take ~0.1 s of device time each, asynchronously (the
+    sender is not held up): the hidden states' piece on the FFN mesh's first device is
+    ready only after a chain of matmuls there, a single-device op like the copy itself (on
+    XLA:CPU, programs over several devices start one at a time, in issue order)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.attention_mesh, self.ffn_mesh = inner.attention_mesh, inner.ffn_mesh
+        self._device = inner.ffn_mesh.devices.flat[0]
+        self._m = jax.device_put(jnp.full((320, 320), 0.01, jnp.float32), self._device)
+
+    def parts(self, mesh):
+        return self.inner.parts(mesh)
+
+    def to_ffn(self, pieces):
+        moved, nbytes = self.inner.to_ffn(pieces)
+        return tuple((self._slow(hidden),) + tuple(rest) for hidden, *rest in moved), nbytes
+
+    def _slow(self, array):
+        shards = [_slow_identity(_slow_identity(s.data, self._m), self._m) if s.device == self._device else s.data
+                  for s in array.addressable_shards]
+        return jax.make_array_from_single_device_arrays(array.shape, array.sharding, shards)
+
+    def to_attention(self, pieces):
+        return self.inner.to_attention(pieces)

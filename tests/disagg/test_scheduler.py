@@ -1,6 +1,6 @@
 """The decode scheduler as a state machine (a fake pool; the only jax is the checksum
 comparison): random arrivals, prefill progress, failures, corrupt payloads, stale messages
-of abandoned attempts, timeouts and decode steps. Every request ends exactly once, tokens
+of abandoned attempts, timeouts and decode steps (some failing slots). Every request ends exactly once, tokens
 are never lost or duplicated, blocks are never leaked or freed twice, a layer is never
 written into a cancelled or running reservation, and a corrupt attempt is never admitted."""
 
@@ -138,7 +138,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.s.running)
     @rule(data=st.data())
     def step(self, data):
-        toks = {s: data.draw(st.sampled_from([7, STOP])) for s, r in enumerate(self.pool.slot_req) if r is not None}
+        failed = RequestError("the decode step failed this slot")       # e.g. an AFD FFN rank went down
+        toks = {s: data.draw(st.sampled_from([7, STOP, failed])) for s, r in enumerate(self.pool.slot_req)
+                if r is not None}
         self._do(Stepped(toks, self.t))
 
     @invariant()

@@ -199,3 +199,19 @@ def test_padding_never_takes_capacity_from_real_tokens(tiny_cfg, tiny_params):
     y2, d2 = run(p, x[perm], jnp.asarray(last))
     assert int(d1) == int(d2)
     np.testing.assert_array_equal(np.asarray(y1)[first], np.asarray(y2)[last])
+
+
+@pytest.mark.parametrize("dispatch", ["padded", "ragged-emulated"])
+def test_routing_computed_elsewhere_gives_the_same_layer(tiny_cfg, tiny_params, dispatch):
+    """ep_moe with the routing handed in (AF disaggregation routes on the attention side)
+    equals ep_moe routing on each rank, padding masked the same way."""
+    cfg = tiny_cfg
+    mesh = make_mesh({"expert": 4}, jax.devices()[:4])
+    p = tiny_params["layers"][1]["moe"]
+    x = jax.random.normal(jax.random.key(5), (16, cfg.hidden_size))
+    valid = jnp.asarray(np.arange(16) % 3 != 0)
+    ep = ExpertParallel(mesh, dispatch=dispatch)
+    here = jax.jit(lambda p, x, v: ep_moe(p, cfg, x, ep, v))(p, x, valid)
+    given = jax.jit(lambda p, x, v: ep_moe(p, cfg, x, ep, v, routing=pdjax.model.moe.route(p, cfg, x, v)))(p, x, valid)
+    np.testing.assert_array_equal(np.asarray(given[0]), np.asarray(here[0]))
+    assert int(given[1]) == int(here[1]) == 0

@@ -1,0 +1,129 @@
+"""Attention-FFN disaggregated decode: ``AFDEngine``.
+
+M attention devices, data-parallel, own the paged latent KV cache, the decode scheduler,
+the dense layers, the attention, the router, the shared experts and the sampling
+(:class:`~pdjax.disagg.afd_pool.AFDPool`); N FFN devices hold the routed experts,
+expert-parallel, stateless (:class:`~pdjax.disagg.afd_ffn.FFNPool`). Every decode step runs
+m micro-batches in ping-pong: per MoE layer, each micro-batch's normed hidden states with its
+top-k expert ids and weights go to the FFN devices (A2F), its experts run there, and the
+result comes back (F2A), while the next micro-batch's attention runs.
+
+Prefill is colocated on the attention devices (a :class:`~pdjax.disagg.prefill.PrefillPool`
+on their mesh, expert-parallel over them when the experts divide, else replicated): AFD is a
+decode-side technique, and the engine is :class:`~pdjax.disagg.engine.PDEngine`'s machinery
+with its decode pool replaced, as :class:`~pdjax.disagg.engine.ColocatedEngine` shares the
+decode devices with the prefill (prefill chunks and decode steps take turns; the prefilled
+latents are written straight into the attention ranks' paged cache).
+
+``eng.stats["afd"]`` after ``generate``: bytes per MoE layer each way (``a2f_bytes``: the
+hidden states; ``routing_bytes``: expert ids, weights and the valid mask, counted apart;
+``f2a_bytes``: the experts' output), FFN failures, and, when ``eng.timeline`` is a
+:class:`~pdjax.disagg.timeline.Timeline`, the per-stage times (:func:`stage_times`) and the
+measured spans (streams "attention", "a2f", "ffn", "f2a").
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from pdjax.config import ModelConfig
+from pdjax.disagg.afd_pool import AFDPool
+from pdjax.disagg.engine import PDEngine
+
+MAX_MICROBATCHES = 4
+
+
+def _positive_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v > 0
+
+
+def check_afd_options(cfg: ModelConfig, attention_devices, ffn_devices, microbatches, slots) -> int:
+    """Raise ValueError naming the first bad AFD option (before anything is built); returns
+    the decode slots (default: the fewest that split, m * lcm(M, N))."""
+    M, N = len(attention_devices), len(ffn_devices)
+    if not M or not N:
+        raise ValueError(f"attention_devices and ffn_devices must be non-empty, got {M} and {N} devices")
+    shared = sorted({d.id for d in attention_devices} & {d.id for d in ffn_devices})
+    if shared:
+        raise ValueError(f"attention_devices and ffn_devices must be disjoint; both hold device ids {shared}")
+    if not any(cfg.is_moe_layer(l) for l in range(cfg.num_hidden_layers)):
+        raise ValueError("AF disaggregation needs MoE layers; the model has none")
+    if cfg.n_routed_experts % N:
+        raise ValueError(f"{cfg.n_routed_experts} routed experts do not divide over the {N} FFN devices")
+    m = microbatches
+    if not _positive_int(m) or m > MAX_MICROBATCHES:
+        raise ValueError(f"num_microbatches must be an integer in 1..{MAX_MICROBATCHES}, got {m!r}")
+    if slots is None:
+        return m * math.lcm(M, N)
+    if not _positive_int(slots):
+        raise ValueError(f"max_decode_slots must be a positive integer, got {slots!r}")
+    if slots % M or (slots // M) < m:
+        raise ValueError(f"num_microbatches={m} needs at least {m} decode slots on each of the {M} attention "
+                         f"ranks (max_decode_slots a multiple of {m * M}), got max_decode_slots={slots}")
+    if (slots // M) % m or (slots // m) % N:
+        raise ValueError(f"max_decode_slots={slots} must split into {m} equal micro-batches on each of the {M} "
+                         f"attention ranks whose rows divide over the {N} FFN ranks: use a multiple of "
+                         f"{m * math.lcm(M, N)}")
+    return slots
+
+
+class AFDEngine(PDEngine):
+    """Attention-FFN disaggregated serving; see the module docstring. ``attention_devices``
+    (M) and ``ffn_devices`` (N): disjoint device lists, the routed experts dividing over N;
+    ``num_microbatches``: m in 1..4; ``max_decode_slots``: a multiple of m * lcm(M, N)
+    (default that product); ``prefill_mesh``: the attention devices' mesh (default
+    {"expert": M} when the experts divide over M, else {"data": M}); ``ffn_retries``: reruns
+    of a micro-batch whose FFN call failed before its requests fail. Other options as
+    :class:`~pdjax.disagg.engine.PDEngine`. ``generate`` returns one token list per prompt (a
+    :class:`~pdjax.disagg.request.RequestError` in place of a failed request)."""
+
+    def __init__(self, params, cfg: ModelConfig, *, attention_devices, ffn_devices, num_microbatches: int = 2,
+                 max_decode_slots: int | None = None, prefill_mesh: dict | None = None, ffn_retries: int = 1,
+                 **kwargs):
+        attention_devices, ffn_devices = list(attention_devices), list(ffn_devices)
+        slots = check_afd_options(cfg, attention_devices, ffn_devices, num_microbatches, max_decode_slots)
+        if not isinstance(ffn_retries, int) or ffn_retries < 0:
+            raise ValueError(f"ffn_retries must be an integer >= 0, got {ffn_retries!r}")
+        M = len(attention_devices)
+        mesh = prefill_mesh or ({"expert": M} if cfg.n_routed_experts % M == 0 else {"data": M})
+        self._afd = {"ffn_devices": ffn_devices, "microbatches": num_microbatches, "ffn_retries": ffn_retries}
+        super().__init__(params, cfg, prefill_devices=attention_devices, decode_devices=attention_devices,
+                         prefill_mesh=mesh, decode_mesh=mesh, colocated=True, max_decode_slots=slots, **kwargs)
+
+    def _decode_pool(self, params, cfg: ModelConfig, devices, mesh_axes: dict, **options) -> AFDPool:
+        return AFDPool(params, cfg, devices, mesh_axes, **self._afd, **options)
+
+    def generate(self, prompts, max_new_tokens=16, **kwargs):
+        """As :meth:`PDEngine.generate`; ``stats["afd"]`` then holds the exchange's bytes and,
+        with ``self.timeline`` set, the measured stages."""
+        self.decode.begin(self.timeline)
+        out = super().generate(prompts, max_new_tokens, **kwargs)
+        afd = {**self.decode.stats, "steps": self.decode.steps, "microbatches": self.decode.m}
+        if self.timeline is not None:
+            spans = [s for s in self.timeline.wait().spans if "chain" in s]
+            afd.update(stage_s=stage_times(spans), timeline=spans)
+        self.stats["afd"] = afd
+        return out
+
+
+def stage_times(spans) -> dict:
+    """Per stream, the seconds each op took once it could start: its ready time minus the
+    latest of its issue, the ready time of the previous op of its micro-batch's chain
+    (``span["chain"]``) and that of the previous op on its stream. Returns {stream: {"mean",
+    "total", "count"}}. On a CPU host the simulated devices share its cores, so this is an
+    upper bound on each stage's own time."""
+    last_chain: dict = {}
+    last_stream: dict = {}
+    out: dict = {}
+    for s in sorted(spans, key=lambda s: s["issued"]):
+        start = max(s["issued"], last_chain.get(s["chain"], 0.0), last_stream.get(s["stream"], 0.0))
+        took = max(s["ready"] - start, 0.0)
+        last_chain[s["chain"]] = last_stream[s["stream"]] = s["ready"]
+        o = out.setdefault(s["stream"], {"total": 0.0, "count": 0})
+        o["total"] += took
+        o["count"] += 1
+    for o in out.values():
+        o["mean"] = o["total"] / o["count"]
+    return out

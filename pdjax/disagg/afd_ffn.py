@@ -1,0 +1,132 @@
+"""The FFN side of AF disaggregation and the exchange between the two sides.
+
+:class:`FFNPool`: every MoE layer's routed experts split over the FFN devices (one mesh axis,
+"expert"), run expert-parallel by :func:`pdjax.parallel.ep.ep_moe` (its all-to-all dispatch
+and combine) with the routing the attention side computed; no KV, no scheduler, no state
+between calls.
+
+:class:`MeshExchange`: how a micro-batch's rows cross between the attention mesh (M ranks)
+and the FFN mesh (N ranks). A micro-batch of R rows is split R/M per attention rank and
+R/N per FFN rank. ``jax.device_put`` between shardings with different shard boundaries
+falls back to a copy through the host that waits for the data, so the rows travel as
+K = lcm(M, N) *pieces* of R/K rows, each piece one asynchronous single-device copy. A side
+of S ranks holds its rows as K/S *piece arrays* (:func:`split_local`): piece array i holds,
+on rank r, the i-th of r's K/S pieces, so every piece is one shard of one array, and piece p
+(in row order) is shard p // (K/S) of piece array p % (K/S). The receiving computation
+concatenates a rank's pieces (:func:`join_local`). Nothing waits on the host.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from pdjax.config import ModelConfig
+from pdjax.parallel.ep import ExpertParallel, ep_moe
+from pdjax.parallel.mesh import make_mesh, shard_params
+
+ROUTED = ("w_gate", "w_up", "w_down", "log2phy", "logcnt")   # what the FFN side holds of a MoE layer
+
+
+def _spec(mesh: Mesh) -> P:
+    return P(tuple(mesh.axis_names))
+
+
+def split_local(tree, parts: int, mesh: Mesh) -> tuple:
+    """Arrays [S*a, ...] split over every axis of ``mesh`` -> ``parts`` trees of arrays
+    [S*a/parts, ...]: tree i holds, on each rank, the i-th slice of that rank's rows (no
+    data moves between ranks)."""
+    if parts == 1:
+        return (tree,)
+
+    def local(t):
+        return tuple(jax.tree.map(lambda a: jnp.split(a, parts)[i], t) for i in range(parts))
+    return jax.shard_map(local, mesh=mesh, in_specs=(_spec(mesh),), out_specs=_spec(mesh), check_vma=False)(tree)
+
+
+def join_local(pieces, mesh: Mesh):
+    """The inverse of :func:`split_local`: each rank concatenates its slices, in order."""
+    if len(pieces) == 1:
+        return pieces[0]
+
+    def local(ps):
+        return jax.tree.map(lambda *a: jnp.concatenate(a), *ps)
+    return jax.shard_map(local, mesh=mesh, in_specs=(_spec(mesh),), out_specs=_spec(mesh),
+                         check_vma=False)(tuple(pieces))
+
+
+class MeshExchange:
+    """The in-process A2F/F2A link (see the module docstring): ``to_ffn(pieces)`` and
+    ``to_attention(pieces)`` start moving a micro-batch's piece arrays (tuples of pytrees)
+    to the other side and return (its piece arrays there, bytes per leaf that crossed).
+    Tests wrap it (a slow or failing exchange), never hooks in the pool."""
+
+    def __init__(self, attention_mesh: Mesh, ffn_mesh: Mesh):
+        self.attention_mesh, self.ffn_mesh = attention_mesh, ffn_mesh
+        self.pieces = math.lcm(attention_mesh.devices.size, ffn_mesh.devices.size)
+
+    def parts(self, mesh: Mesh) -> int:
+        """Piece arrays a side of ``mesh`` holds a micro-batch in: K / its ranks."""
+        return self.pieces // mesh.devices.size
+
+    def to_ffn(self, pieces):
+        return self._move(pieces, self.attention_mesh, self.ffn_mesh)
+
+    def to_attention(self, pieces):
+        return self._move(pieces, self.ffn_mesh, self.attention_mesh)
+
+    def _move(self, pieces, src: Mesh, dst: Mesh):
+        ks, kd = self.parts(src), self.parts(dst)
+        src_devices, dst_devices = list(src.devices.flat), list(dst.devices.flat)
+        flat = [jax.tree.flatten(t) for t in pieces]
+        treedef, n_leaves = flat[0][1], len(flat[0][0])
+        shards, targets, where = [], [], []
+        for i, (leaves, _) in enumerate(flat):
+            for leaf, arr in enumerate(leaves):
+                on = {s.device: s.data for s in arr.addressable_shards}
+                for r, device in enumerate(src_devices):
+                    q, j = divmod(r * ks + i, kd)          # piece r*ks+i: rank q, piece array j there
+                    shards.append(on[device])
+                    targets.append(dst_devices[q])
+                    where.append((j, leaf, q))
+        moved = jax.device_put(shards, targets)
+        nbytes = [0] * n_leaves
+        grid = [[[None] * len(dst_devices) for _ in range(n_leaves)] for _ in range(kd)]
+        for (j, leaf, q), a in zip(where, moved):
+            grid[j][leaf][q] = a
+            nbytes[leaf] += a.nbytes
+        sharding = NamedSharding(dst, _spec(dst))
+        out = tuple(jax.tree.unflatten(treedef, [
+            jax.make_array_from_single_device_arrays((len(dst_devices) * g[0].shape[0],) + g[0].shape[1:], sharding, g)
+            for g in grid[j]]) for j in range(kd))
+        return out, nbytes
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "ep"))
+def _routed(p, cfg, pieces, ep):
+    u, weights, ids, valid = join_local(pieces, ep.mesh)
+    y, _ = ep_moe(p, cfg, u, ep, valid, routing=(weights, ids))
+    return split_local(y, len(pieces), ep.mesh)
+
+
+class FFNPool:
+    """The expert side: the routed experts of every MoE layer split over ``devices`` (their
+    number must divide the experts). ``pool(layer, pieces)``: one micro-batch of MoE layer
+    ``layer``, its piece arrays of (normed hidden [R,D], routing weights [R,k], expert ids
+    [R,k], valid [R]) on this pool's mesh -> the piece arrays of the routed experts' output
+    [R,D] (dropless, exactly the single-device result up to summation order)."""
+
+    def __init__(self, params, cfg: ModelConfig, devices):
+        self.cfg = cfg
+        self.mesh = make_mesh({"expert": len(devices)}, devices)
+        self.ep = ExpertParallel(self.mesh)
+        routed = {"layers": [{"moe": {k: v for k, v in lp["moe"].items() if k in ROUTED}} if "moe" in lp else {}
+                             for lp in params["layers"]]}
+        self.params = shard_params(routed, cfg, self.mesh)["layers"]
+
+    def __call__(self, layer: int, pieces):
+        return _routed(self.params[layer]["moe"], self.cfg, tuple(pieces), self.ep)

@@ -1,0 +1,275 @@
+"""AF disaggregation on 8 CPU devices: AFDEngine's greedy tokens equal pdjax.generate for any
+M:N split and m = 1..3 micro-batches, its logits the model's decode step's, step by step;
+the exchange moves exactly the hidden states each way (routing counted apart) without a host
+round trip; the micro-batches really ping-pong; a failing FFN call is retried or fails only
+its micro-batch's requests; bad options fail before any compute."""
+
+import jax
+import numpy as np
+import pytest
+from jax._src.array import ArrayImpl
+
+import pdjax
+from pdjax.disagg import AFDEngine, RequestError
+from pdjax.disagg.request import Request
+from pdjax.disagg.timeline import Timeline
+
+from faults import FailingFFN, SlowExchange
+
+# a donation XLA cannot honour (no output to alias) warns: make it fail the tests
+pytestmark = pytest.mark.filterwarnings("error:Some donated buffers were not usable")
+
+NEW = 5
+LENS = (1, 7, 60, 13, 60, 1, 13, 7)     # 1 to 60 tokens; few distinct lengths: fewer compiles
+
+
+@pytest.fixture(scope="module")
+def cfg(tiny_cfg):
+    """The tiny model with 24 experts: they divide over 1, 2, 3, 4, 6 and 8 FFN ranks."""
+    return tiny_cfg.replace(n_routed_experts=24)
+
+
+@pytest.fixture(scope="module")
+def params(cfg, tiny_params):
+    """tiny_params with each MoE layer's router and routed experts widened to 24, drawn with
+    numpy (no compile), scaled as pdjax.init_params scales them."""
+    rng = np.random.RandomState(0)
+    D, E, F = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
+    layers = []
+    for lp in tiny_params["layers"]:
+        if "moe" in lp:
+            shapes = {"router": ((D, E), D), "w_gate": ((E, D, F), D), "w_up": ((E, D, F), D), "w_down": ((E, F, D), F)}
+            moe = {k: (rng.standard_normal(shape) * fan_in ** -0.5).astype(np.float32)
+                   for k, (shape, fan_in) in shapes.items()}
+            lp = {**lp, "moe": {**lp["moe"], **moe, "router_bias": np.zeros(E, np.float32)}}
+        layers.append(lp)
+    return jax.device_put({**tiny_params, "layers": layers})
+
+
+@pytest.fixture(scope="module")
+def prompts(cfg):
+    rng = np.random.RandomState(0)
+    return [list(rng.randint(0, cfg.vocab_size, n)) for n in LENS]
+
+
+@pytest.fixture(scope="module")
+def expected(cfg, params, prompts):
+    out = pdjax.generate(params, cfg, prompts, max_new_tokens=NEW)
+    return [o[len(p):] for o, p in zip(out, prompts)]
+
+
+def _engine(cfg, params, M, N, m, block_size=32, **kw):
+    return AFDEngine(params, cfg, attention_devices=jax.devices()[:M], ffn_devices=jax.devices()[M:M + N],
+                     num_microbatches=m, block_size=block_size, max_context=128, **kw)
+
+
+@pytest.fixture(scope="module")
+def eng(cfg, params):
+    """4 attention and 4 FFN devices, 2 micro-batches, 32-token KV blocks."""
+    return _engine(cfg, params, 4, 4, 2)
+
+
+@pytest.fixture(scope="module")
+def eng62(cfg, params):
+    return _engine(cfg, params, 6, 2, 3, block_size=128, prefill_mesh={"data": 6})
+
+
+@pytest.fixture(scope="module")
+def eng26(cfg, params):
+    return _engine(cfg, params, 2, 6, 1, block_size=128, prefill_mesh={"data": 2})
+
+
+@pytest.mark.parametrize("engine, m", [("eng", 2), ("eng62", 3), ("eng26", 1)])
+def test_afd_equals_generate(request, prompts, expected, engine, m):
+    """All prompts (1 to 60 tokens) on 4:4 (prefill expert-parallel over the attention
+    devices); the longest, the shortest and a 13-token one on 6:2 and 2:6 (prefill
+    replicated there, one KV block per slot: each engine compiles per prompt length and view
+    bucket)."""
+    e = request.getfixturevalue(engine)
+    some = range(len(prompts)) if engine == "eng" else [2, 0, 3]
+    assert e.generate([prompts[i] for i in some], max_new_tokens=NEW) == [expected[i] for i in some]
+    afd = e.stats["afd"]
+    assert afd["steps"] > 0 and afd["ffn_failures"] == 0 and afd["microbatches"] == m
+
+
+def test_each_side_holds_its_weights(cfg, eng):
+    """The attention side uses the prefill's placed params (colocated: one copy on its
+    devices); the FFN side holds only the routed experts, 24 / N per FFN device."""
+    for a, b in zip(jax.tree.leaves(eng.prefill.params), jax.tree.leaves(eng.decode.params)):
+        assert [s.data.unsafe_buffer_pointer() for s in a.addressable_shards] == \
+            [s.data.unsafe_buffer_pointer() for s in b.addressable_shards]
+    ffn = eng.decode.ffn
+    for l, lp in enumerate(ffn.params):
+        assert set(lp.get("moe", {})) == ({"w_gate", "w_up", "w_down"} if cfg.is_moe_layer(l) else set())
+        for w in lp.get("moe", {}).values():
+            assert {s.device for s in w.addressable_shards} == set(ffn.mesh.devices.flat)
+            assert {s.data.shape[0] for s in w.addressable_shards} == {cfg.n_routed_experts // 4}
+
+
+def test_exchange_moves_exactly_the_hidden_states(cfg, eng, prompts, expected):
+    """One request: NEW - 1 decode steps (the first token is the prefill's), each moving every
+    slot's row (empty slots' rows cross too: the step's shapes are static) of each MoE layer
+    once each way; routing (ids, weights int32/float32 [k], the valid flag) apart; dense
+    layers move nothing."""
+    assert eng.generate([prompts[2]], max_new_tokens=NEW) == [expected[2]]
+    afd, D, k, item = eng.stats["afd"], cfg.hidden_size, cfg.num_experts_per_tok, np.dtype(cfg.compute_dtype).itemsize
+    moe = [l for l in range(cfg.num_hidden_layers) if cfg.is_moe_layer(l)]
+    rows = afd["steps"] * eng.decode.slots
+    assert afd["steps"] == NEW - 1
+    assert afd["a2f_bytes"] == afd["f2a_bytes"] == {l: rows * D * item for l in moe}
+    assert afd["routing_bytes"] == {l: rows * (2 * k * 4 + 1) for l in moe}
+
+
+def _admit(pool, cfg, params, prompts):
+    """Prefill ``prompts`` with the model and hand their KV to the pool; returns {slot: index},
+    the model's cache after the prompts and the first tokens."""
+    T = max(len(p) for p in prompts)
+    tokens = np.zeros((len(prompts), T), np.int64)
+    for i, p in enumerate(prompts):
+        tokens[i, :len(p)] = p
+    lens = np.array([len(p) for p in prompts], np.int32)
+    logits, cache = pdjax.prefill(params, cfg, tokens, lengths=lens, max_len=T + NEW)
+    first = np.argmax(np.asarray(logits)[np.arange(len(prompts)), lens - 1], -1)
+    slots = {}
+    for i, p in enumerate(prompts):
+        res = pool.reserve(Request(i, p, NEW))
+        for layer, kv in enumerate(cache.kv):
+            pool.receive_layer(res, layer, jax.device_put(kv[i, :len(p)], pool.target_device(res)))
+        slots[pool.admit(res, int(first[i]))] = i
+    return slots, cache, first.astype(np.int32)
+
+
+def test_logits_equal_the_model_step_by_step_and_a_failed_ffn_call_is_retried(cfg, params, eng, prompts):
+    """The pool filled (8 requests: both micro-batches on every rank). Each step's logits are
+    the model's decode step's on the same prompts; an FFN call that raises once is retried
+    and changes nothing."""
+    pool = eng.decode
+    slots, cache, toks = _admit(pool, cfg, params, prompts)
+    assert {pool.microbatch(s) for s in slots} == {0, 1}
+    inner, pool.ffn = pool.ffn, FailingFFN(pool.ffn, fail_calls={1})     # layer 1, micro-batch 1, step 0
+    try:
+        for _ in range(NEW - 1):
+            want, cache = pdjax.decode_step(params, cfg, toks, cache)
+            got = pool.step()
+            for s, i in slots.items():
+                np.testing.assert_allclose(np.asarray(pool.logits[s]), np.asarray(want[i]), rtol=0, atol=1e-4)
+            toks = np.argmax(np.asarray(want), -1).astype(np.int32)
+            assert {i: got[s] for s, i in slots.items()} == dict(enumerate(toks.tolist()))
+    finally:
+        pool.ffn = inner
+        for s in slots:
+            pool.release(s)
+    assert pool.ffn is inner and pool.stats["ffn_retries_ok"] == 1
+
+
+def test_ffn_failure_fails_only_its_microbatch(cfg, params, eng, prompts):
+    """Micro-batch 1's FFN call fails and so does its rerun: its requests get a RequestError
+    naming the FFN side, micro-batch 0's tokens stand, and the next step serves them
+    correctly (nothing lost or duplicated)."""
+    pool = eng.decode
+    slots, cache, toks = _admit(pool, cfg, params, prompts)
+    inner, pool.ffn = pool.ffn, FailingFFN(pool.ffn, fail_calls={1, 3})
+    try:
+        want, cache = pdjax.decode_step(params, cfg, toks, cache)
+        got = pool.step()
+        for s, i in slots.items():
+            if pool.microbatch(s) == 1:
+                assert isinstance(got[s], RequestError) and "FFN side failed" in str(got[s]), got[s]
+                pool.release(s)                                   # as the scheduler does
+            else:
+                assert got[s] == int(np.argmax(np.asarray(want[i])))
+        toks = np.argmax(np.asarray(want), -1).astype(np.int32)
+        want, _ = pdjax.decode_step(params, cfg, toks, cache)
+        got = pool.step()
+        left = {s: i for s, i in slots.items() if pool.microbatch(s) == 0}
+        assert got == {s: int(np.argmax(np.asarray(want[i]))) for s, i in left.items()}
+    finally:
+        pool.ffn = inner
+        for s in pool.active:
+            pool.release(s)
+
+
+def test_engine_fails_the_requests_of_a_failed_step_and_serves_the_rest(eng, prompts, expected):
+    """Every FFN call of the first decode step fails (and their reruns): the requests running
+    then end with a RequestError, the others (arriving later) finish exactly; what was
+    streamed is a prefix of the right tokens; the engine serves the next batch."""
+    assert eng.generate(prompts[:4], max_new_tokens=NEW) == expected[:4]     # compiled: step 0 comes at once
+    inner, eng.decode.ffn = eng.decode.ffn, FailingFFN(eng.decode.ffn, fail_calls={0, 1, 2, 3})
+    streamed = {}
+    try:
+        out = eng.generate(prompts[:4], max_new_tokens=NEW, arrival_times=[0, 0.5, 0.5, 0.5],
+                           on_token=lambda i, t: streamed.setdefault(i, []).append(t))
+    finally:
+        eng.decode.ffn = inner
+    assert isinstance(out[0], RequestError) and "FFN side failed" in str(out[0])
+    assert out[1:] == expected[1:4]
+    assert all(streamed[i] == expected[i][:len(streamed[i])] for i in streamed)
+    assert eng.generate(prompts[:2], max_new_tokens=NEW) == expected[:2]
+
+
+def test_step_never_waits_on_the_host_but_for_the_tokens(cfg, params, eng, eng26, prompts, monkeypatch):
+    """Nothing is copied from the host in a step and the one device-to-host copy is the
+    tokens: the exchange's copies (M != N too) never go through the host."""
+    for e in (eng, eng26):
+        pool = e.decode
+        slots, _, _ = _admit(pool, cfg, params, prompts[:2])
+        pool.step()                                               # compiled outside the guard
+        fetches = []
+        value = ArrayImpl._value
+
+        def counted(self):
+            if self._npy_value is None:                           # a real device-to-host copy
+                fetches.append(self.shape)
+            return value.fget(self)
+
+        monkeypatch.setattr(ArrayImpl, "_value", property(counted))
+        for _ in range(2):
+            with jax.transfer_guard_host_to_device("disallow_explicit"):
+                pool.step()
+        monkeypatch.undo()
+        for s in slots:
+            pool.release(s)
+        assert fetches == [(pool.slots,)] * 2
+
+
+def test_microbatches_ping_pong(cfg, eng, prompts, expected, tmp_path):
+    """Over an exchange slower than the attention (each A2F copy holds ~0.1 s of device time),
+    micro-batch 1's attention is issued, and done, while micro-batch 0's round trip through
+    the FFN side is still in flight, at every MoE layer of every step (an engine that waits
+    for micro-batch 0 before micro-batch 1 fails both)."""
+    ex = eng.decode.exchange
+    eng.decode.exchange = SlowExchange(ex)
+    try:
+        eng.timeline = Timeline()
+        assert eng.generate([prompts[1]], max_new_tokens=3) == [expected[1][:3]]
+    finally:
+        eng.decode.exchange, tl, eng.timeline = ex, eng.timeline, None
+    afd = eng.stats["afd"]
+    spans = {(s["stream"], s["name"]): s for s in afd["timeline"]}
+    moe = [l for l in range(cfg.num_hidden_layers) if cfg.is_moe_layer(l)]
+    pairs = [(spans["f2a", f"step {t} layer {l} mb 0"], spans["attention", f"step {t} layer {l} mb 1"])
+             for t in range(afd["steps"]) for l in moe]
+    assert len(pairs) == 2 * len(moe)
+    assert all(att1["issued"] < trip0["ready"] for trip0, att1 in pairs), pairs
+    assert all(att1["ready"] < trip0["ready"] for trip0, att1 in pairs), pairs
+    assert set(afd["stage_s"]) == {"attention", "a2f", "ffn", "f2a"}
+    assert afd["stage_s"]["a2f"]["mean"] > afd["stage_s"]["attention"]["mean"]
+    trace = tl.to_chrome_trace(str(tmp_path / "afd_trace.json"))
+    assert any(e.get("cat") == "ffn" for e in trace["traceEvents"])
+
+
+@pytest.mark.parametrize("M, N, m, slots, match", [
+    (3, 5, 2, None, "24 routed experts do not divide over the 5 FFN devices"),
+    (4, 4, 5, None, "num_microbatches must be an integer in 1..4"),
+    (4, 4, 0, None, "num_microbatches must be an integer in 1..4"),
+    (4, 4, 3, 8, "needs at least 3 decode slots on each of the 4 attention ranks"),
+    (2, 6, 2, 8, "use a multiple of 12"),
+])
+def test_bad_options_fail_before_compute(cfg, params, M, N, m, slots, match):
+    with pytest.raises(ValueError, match=match):
+        _engine(cfg, params, M, N, m, max_decode_slots=slots)
+
+
+def test_overlapping_devices_fail(cfg, params):
+    with pytest.raises(ValueError, match=r"must be disjoint; both hold device ids \[3\]"):
+        AFDEngine(params, cfg, attention_devices=jax.devices()[:4], ffn_devices=jax.devices()[3:7])
