@@ -119,8 +119,11 @@ def _set_slot(block_tables, lengths, state, row, ints, floats):
 
 class DecodePool:
     def __init__(self, params, cfg: ModelConfig, devices, mesh_axes: dict, *, slots: int,
-                 block_size: int, max_context: int, num_blocks: int | None = None):
+                 block_size: int, max_context: int, num_blocks: int | None = None, min_view_tokens: int = 256):
+        if not isinstance(min_view_tokens, int) or min_view_tokens < 1:
+            raise ValueError(f"min_view_tokens must be a positive integer, got {min_view_tokens!r}")
         self.cfg = cfg
+        self.min_view_tokens = min_view_tokens
         self.mesh = make_mesh(mesh_axes, devices)
         self.axes = tuple(self.mesh.axis_names)
         self.ranks = math.prod(self.mesh.shape.values())
@@ -241,10 +244,12 @@ class DecodePool:
 
     def view_blocks(self) -> int:
         """Blocks per slot the next step gathers: the bucket (:func:`view_bucket`) of the
-        longest running slot's length after the step's write (from the host mirror, no sync)."""
+        longest running slot's length after the step's write (from the host mirror, no sync),
+        at least ``min_view_tokens`` (short contexts share one program: fewer compiles, and a
+        step reads at least that many positions a slot)."""
         active = self.active
         need = int(self.kv_len[active].max()) + 1 if active else 1
-        return view_bucket(need, self.block_size, self.blocks_per_slot)
+        return view_bucket(max(need, self.min_view_tokens), self.block_size, self.blocks_per_slot)
 
     def warm_up(self, sampling=(False, True)) -> int:
         """Compile the step for every view bucket (and each ``sampling`` variant) now, so no
@@ -253,8 +258,8 @@ class DecodePool:
         Returns the number of programs run."""
         if self.active or self.pending:
             raise RuntimeError("warm_up needs an empty decode pool (no running or reserved request)")
-        buckets = sorted({view_bucket(n * self.block_size, self.block_size, self.blocks_per_slot)
-                          for n in range(1, self.blocks_per_slot + 1)})
+        buckets = sorted({view_bucket(max(n * self.block_size, self.min_view_tokens), self.block_size,
+                                      self.blocks_per_slot) for n in range(1, self.blocks_per_slot + 1)})
         for b in buckets:
             for s in sampling:
                 self.cache = self.cache.with_view(b)

@@ -94,7 +94,7 @@ def warm_up(engine, prompt_lens: Sequence[int], seed: int = 0) -> None:
     """Compile every shape the trace will use: for each prompt length, one request per decode
     rank at once (the KV write into a rank's blocks compiles per prompt length and device),
     and the decode step for every KV-length bucket it gathers (``DecodePool.warm_up``)."""
-    engine.decode.warm_up()
+    engine.decode.warm_up(sampling=(False,))                 # the trace is greedy
     ranks = min(engine.decode.ranks, engine.decode.slots)
     for n in sorted(set(prompt_lens)):
         engine.generate(prompts_for([n] * ranks, engine.cfg.vocab_size, seed + n), max_new_tokens=3)

@@ -43,7 +43,7 @@ def handoff(tiny_cfg, tiny_params):
 
 
 def _pool(cfg, params):
-    return DecodePool(params, cfg, jax.devices()[:2], {"data": 2}, slots=4, block_size=BLOCK,
+    return DecodePool(params, cfg, jax.devices()[:2], {"data": 2}, slots=4, block_size=BLOCK, min_view_tokens=1,
                       max_context=CONTEXT)
 
 
@@ -155,9 +155,9 @@ def test_every_pool_and_buffer_update_is_donated(tiny_cfg, tiny_params, handoff)
 def test_warm_up_compiles_every_view_bucket(tiny_cfg, tiny_params, handoff):
     """After warm_up, serving requests of any length compiles no further step program, and
     the pool is left as it was (empty; tokens still those of pdjax.generate)."""
-    pool = DecodePool(tiny_params, tiny_cfg, jax.devices()[:2], {"data": 2}, slots=4, block_size=64,
-                      max_context=CONTEXT)                  # 8 blocks a slot: buckets 1, 2, 3, 4, 6, 8
-    assert pool.warm_up(sampling=(False,)) == 6
+    pool = DecodePool(tiny_params, tiny_cfg, jax.devices()[:2], {"data": 2}, slots=4, block_size=128,
+                      max_context=CONTEXT, min_view_tokens=1)   # 4 blocks a slot: buckets 1, 2, 3, 4
+    assert pool.warm_up(sampling=(False,)) == 4
     compiled = decode._step._cache_size()
     (items, want) = handoff
     slots = [_admit(pool, i, p, f, r) for i, (p, f, r) in enumerate(items)]
