@@ -27,7 +27,8 @@ import pdjax  # noqa: E402
 from pdjax.experiments.afd_measure import measure_afd  # noqa: E402
 from pdjax.experiments.results import markdown_table  # noqa: E402
 
-COLUMNS = ("M", "N", "m", "slots", "t_attn_ms", "t_ffn_ms", "t_a2f_ms", "t_f2a_ms", "t_head_ms", "step_measured_ms",
+COLUMNS = ("M", "N", "m", "slots", "t_attn_ms", "t_ffn_ms", "t_a2f_ms", "t_f2a_ms", "t_head_ms", "host_issue_ms",
+           "step_measured_ms", "step_traced_ms",
            "step_issue_order_ms", "err_issue_order_pct", "step_overlap_ms", "err_overlap_pct", "pingpong_min_m",
            "pingpong_hides", "dbo_hides_ffn", "speedup_measured", "speedup_predicted")
 

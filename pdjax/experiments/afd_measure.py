@@ -4,7 +4,8 @@
 micro-batch count m, records the stages on a :class:`~pdjax.disagg.timeline.Timeline`, and
 returns one row per m: the measured per-stage times (medians per MoE layer per micro-batch,
 :func:`stage_medians`), the measured decode step time (median inter-token latency once
-every prefill is done), and what the models predict from those stage times:
+every prefill is done, in a run of the same engine without the timeline: its watcher
+threads slow the host), and what the models predict from those stage times:
 
 * the overlap model of the simulator, :class:`pdjax.sim.AFDStepModel` (fed the measured
   stages through :class:`MeasuredStageCost`): L * max(m T_a, m T_f, T_a + T_f + 2 T_c), the
@@ -119,6 +120,20 @@ def predict(stages: dict, microbatches: int, slots: int, num_attention: int, num
             "step_issue_order_ms": 1e3 * issue_order_step(stages, m), "step_overlap_ms": 1e3 * overlap}
 
 
+def issue_window_s(spans, skip_steps: int = 0) -> float:
+    """Median over the steps from ``skip_steps`` on of the host's time from a step's first
+    issued op to its last: when it is near the step time, the host's dispatch, not the
+    devices, sets the pace (neither model counts it)."""
+    first: dict = {}
+    last: dict = {}
+    for s in spans:
+        step = int(_NAME.fullmatch(s["name"]).group(1))
+        if step >= skip_steps:
+            first[step] = min(first.get(step, math.inf), s["issued"])
+            last[step] = max(last.get(step, -math.inf), s["issued"])
+    return float(np.median([last[k] - first[k] for k in first])) if first else math.nan
+
+
 def decode_step_s(stats: dict, skip: int) -> float:
     """Median inter-token latency of a run's requests, leaving each request's first ``skip``
     out (while prefills still take turns with the decode steps)."""
@@ -149,11 +164,11 @@ def measure_afd(params, cfg, *, attention: int = 4, ffn: int = 4, microbatches=(
     """Serve ``slots`` prompts of ``prompt_len`` tokens for ``new_tokens`` tokens on an
     AFDEngine with ``attention`` + ``ffn`` devices for each m in ``microbatches`` (three
     times: the first run compiles, the third records the timeline). Returns {"rows": one dict
-    per m (measured stages and step, the models' predictions and their errors, see the
-    module docstring; ``step_untraced_ms``: the step of the run without the timeline, whose
-    watcher threads cost host time), "baseline_step_ms": the colocated step on the attention
-    devices with the same slots (``baseline``; else None)}. ``progress``: an optional
-    ``track(items, what)`` wrapper."""
+    per m (measured stages and step, the models' predictions and their errors against the
+    step, see the module docstring; ``step_measured_ms`` is the run without the timeline,
+    ``step_traced_ms`` the stages' run, slower by its watcher threads' host time),
+    "baseline_step_ms": the colocated step on the attention devices with the same slots
+    (``baseline``; else None)}. ``progress``: an optional ``track(items, what)`` wrapper."""
     import jax
 
     from pdjax.disagg import AFDEngine, ColocatedEngine
@@ -183,14 +198,15 @@ def measure_afd(params, cfg, *, attention: int = 4, ffn: int = 4, microbatches=(
         stages = stage_medians(afd["timeline"], skip_steps=skip)
         row_bytes = next(iter(afd["a2f_bytes"].values())) / afd["steps"] / slots
         row = {"M": attention, "N": ffn, "m": m, "slots": slots, "steps": afd["steps"],
-               "step_measured_ms": 1e3 * decode_step_s(eng.stats, skip),
-               "step_untraced_ms": 1e3 * decode_step_s(untraced, skip),
+               "step_measured_ms": 1e3 * decode_step_s(untraced, skip),
+               "step_traced_ms": 1e3 * decode_step_s(eng.stats, skip),
+               "host_issue_ms": 1e3 * issue_window_s(afd["timeline"], skip),
                **predict(stages, m, slots, attention, ffn, row_bytes)}
         for name in ("issue_order", "overlap"):
             row[f"err_{name}_pct"] = 100 * (row[f"step_{name}_ms"] / row["step_measured_ms"] - 1)
         if base_ms is not None:
             share = attention_share(attention, ffn)
-            row["speedup_measured"] = afd_speedup(1.0, base_ms / row["step_untraced_ms"], share)
+            row["speedup_measured"] = afd_speedup(1.0, base_ms / row["step_measured_ms"], share)
             row["speedup_predicted"] = afd_speedup(1.0, base_ms / row["step_issue_order_ms"], share)
         rows.append(row)
     return {"rows": rows, "baseline_step_ms": base_ms}

@@ -115,7 +115,8 @@ def cost_models(model_cfg, hw: dict) -> tuple:
     caps = (lin_a.kv_capacity_attention, lin_b.kv_capacity)
     if hw["cost"] == "linear":
         return lin_a, LinearStepCost.from_roofline(model_cfg, hw["ffn"], **rl), lin_b, caps
-    rf = {"dtype_bytes": lin_a.act_bytes, "efficiency": Efficiency(matmul=hw["mfu"], attention=hw["mfu"], hbm=hw["mbu"])}
+    eff = Efficiency(matmul=hw["mfu"], attention=hw["mfu"], hbm=hw["mbu"])
+    rf = {"dtype_bytes": lin_a.act_bytes, "efficiency": eff}
     return (RooflineCostModel(model_cfg, hw["attention"], **rf), RooflineCostModel(model_cfg, hw["ffn"], **rf),
             RooflineCostModel(model_cfg, hw["baseline"], ep_size=hw["baseline_ep"], **rf), caps)
 
@@ -176,17 +177,19 @@ def run_afd_ratio(cfg: dict, out_dir: str) -> Result:
     headline = _headline(sim, mrows)
     body = (f"Simulated: {c['model']['preset']} {c['hardware']['dtype']}, attention on {c['hardware']['attention']}, "
             f"FFN on {c['hardware']['ffn']}, baseline colocated on {c['hardware']['baseline_ep']} x "
-            f"{c['hardware']['baseline']}; {c['hardware']['cost']} cost model (mfu {c['hardware']['mfu']:g}, mbu {c['hardware']['mbu']:g}).\n\n"
+            f"{c['hardware']['baseline']}; {c['hardware']['cost']} cost model (mfu {c['hardware']['mfu']:g}, "
+            f"mbu {c['hardware']['mbu']:g}).\n\n"
             + markdown_table(sim) + ("\n\n" + "; ".join(notes) if notes else "")
             + f"\n\nMeasured on {jax.device_count()} {jax.devices()[0].platform} devices ({ms['preset']} model, "
             f"baseline colocated step {measured['baseline_step_ms'] or math.nan:.2f} ms):\n\n" + markdown_table(mrows)
             + "\n\nOn XLA:CPU the attention and FFN programs run one at a time in issue order: the issue-order "
               "model is the one to hold a CPU measurement against; the overlap model (AFDStepModel) assumes the "
               "two sides run at the same time, as on GPUs.")
+    models = ("issue_order", "overlap")
     return Result("AF disaggregation: M:N ratio and a measured run", headline,
                   metrics={"rows": sim, "notes": notes},
                   wall_clock={"measured": mrows, "baseline_step_ms": measured["baseline_step_ms"],
-                              "step_error_pct": {f"m={r['m']}": {k: r[f"err_{k}_pct"] for k in ("issue_order", "overlap")}
+                              "step_error_pct": {f"m={r['m']}": {k: r[f"err_{k}_pct"] for k in models}
                                                  for r in mrows}},
                   tables={"afd_ratio": sim, "afd_measured": mrows}, measured_tables=("afd_measured",),
                   figures={"afd_ratio": fig}, body=body)

@@ -29,6 +29,9 @@ def test_ffn_time_leaves_out_the_wait_behind_the_attention_programs():
     st = afd_measure.stage_medians(spans)
     assert st["ffn"] == {1: 1.0} and st["attention"] == {1: 1.0} and st["a2f"] == {1: 0.5}
     assert afd_measure.stage_medians(spans, skip_steps=1) == {}
+    later = [_span("attention", 1, 0, 5.0, 6.0, step=1), _span("ffn", 1, 0, 5.4, 7.0, step=1)]
+    assert afd_measure.issue_window_s(spans + later) == pytest.approx(0.25)        # median of 0.1 and 0.4
+    assert afd_measure.issue_window_s(spans + later, skip_steps=1) == pytest.approx(0.4)
 
 
 STAGES = {"attention": {1: 1.0, 2: 1.0, "head": 0.25}, "ffn": {1: 1.0, 2: 1.0},
@@ -89,7 +92,8 @@ def test_afd_ratio_measures_finite_stages_and_writes_its_report(run):
     out_dir, result = run
     (row,) = result.wall_clock["measured"]
     assert (row["M"], row["N"], row["m"], row["slots"]) == (4, 4, 2, 8) and row["steps"] >= 10
-    for key in ("t_attn_ms", "t_ffn_ms", "t_a2f_ms", "t_f2a_ms", "t_head_ms", "step_measured_ms",
+    for key in ("t_attn_ms", "t_ffn_ms", "t_a2f_ms", "t_f2a_ms", "t_head_ms", "host_issue_ms", "step_measured_ms",
+                "step_traced_ms",
                 "step_issue_order_ms", "step_overlap_ms", "speedup_measured", "speedup_predicted"):
         assert math.isfinite(row[key]) and row[key] > 0, key
     assert math.isfinite(row["err_issue_order_pct"]) and isinstance(row["dbo_hides_ffn"], bool)
