@@ -6,7 +6,7 @@
    m ping-pong micro-batches (:class:`pdjax.sim.AFDStepModel`), against colocated instances
    of ``baseline_ep`` accelerators holding every weight. Each attention accelerator holds as
    many requests as its KV room allows (no expert weights: more room than a colocated one);
-   the speedup per accelerator is the BRIEF's model (B_AFD/B_base)(T_base/T_AFD) M/(M+N)
+   the speedup per accelerator is the speedup model (B_AFD/B_base)(T_base/T_AFD) M/(M+N)
    (:func:`pdjax.analysis.afd_speedup`), which here is exactly the ratio of the output tokens
    per second per accelerator. With N fixed, few attention accelerators leave the FFN side
    idle (the M/(M+N) discount wins) and many make it the bottleneck.
@@ -227,7 +227,7 @@ def _plot(sim: list[dict], mrows: list[dict], c: dict):
         bx.bar([x + 0.27 * (k - 1) for x in xs], [r[key] for r in mrows], width=0.27, label=label)
     bx.set_xticks(list(xs), [f"{r['M']}:{r['N']} m={r['m']}" for r in mrows])
     bx.set_ylabel("decode step (ms)")
-    bx.set_title("measured on CPU devices vs the models fed its stage times")
+    bx.set_title("measured (CPU devices) vs models fed its stages")
     bx.legend(fontsize=8)
     fig.tight_layout()
     return fig
