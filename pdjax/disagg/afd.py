@@ -108,19 +108,32 @@ class AFDEngine(PDEngine):
         return out
 
 
-def stage_times(spans) -> dict:
-    """Per stream, the seconds each op took once it could start: its ready time minus the
-    latest of its issue, the ready time of the previous op of its micro-batch's chain
-    (``span["chain"]``) and that of the previous op on its stream. Returns {stream: {"mean",
-    "total", "count"}}. On a CPU host the simulated devices share its cores, so this is an
-    upper bound on each stage's own time."""
+def op_times(spans, resource: dict | None = None) -> list[tuple[dict, float]]:
+    """[(span, seconds)] in issue order: each op's time once it could start, its ready time
+    minus the latest of its issue, the ready time of the previous op of its micro-batch's
+    chain (``span["chain"]``) and that of the previous op on its resource. ``resource`` maps
+    a stream to the device resource it runs on (default: each stream its own); on XLA:CPU,
+    which runs multi-device programs one at a time, ``{"attention": "mesh", "ffn": "mesh"}``
+    keeps an FFN program's wait behind the last attention program out of its time."""
+    resource = resource or {}
     last_chain: dict = {}
-    last_stream: dict = {}
-    out: dict = {}
+    last_res: dict = {}
+    out = []
     for s in sorted(spans, key=lambda s: s["issued"]):
-        start = max(s["issued"], last_chain.get(s["chain"], 0.0), last_stream.get(s["stream"], 0.0))
-        took = max(s["ready"] - start, 0.0)
-        last_chain[s["chain"]] = last_stream[s["stream"]] = s["ready"]
+        res = resource.get(s["stream"], s["stream"])
+        start = max(s["issued"], last_chain.get(s["chain"], 0.0), last_res.get(res, 0.0))
+        out.append((s, max(s["ready"] - start, 0.0)))
+        last_chain[s["chain"]] = last_res[res] = s["ready"]
+    return out
+
+
+def stage_times(spans) -> dict:
+    """Per stream, the seconds each op took once it could start (:func:`op_times`, each
+    stream its own resource). Returns {stream: {"mean", "total", "count"}}. On a CPU host
+    the simulated devices share its cores, so this is an upper bound on each stage's own
+    time."""
+    out: dict = {}
+    for s, took in op_times(spans):
         o = out.setdefault(s["stream"], {"total": 0.0, "count": 0})
         o["total"] += took
         o["count"] += 1

@@ -45,6 +45,7 @@ EXPERIMENTS: dict[str, Experiment] = {
     "bubble_sweep": Experiment("pdjax.experiments.bubble_sweep", "Config", "run_bubble_sweep"),
     "dbo_sweep": Experiment("pdjax.experiments.dbo_sweep", "CONFIG", "run_dbo_sweep"),
     "pd_vs_colocated": Experiment("pdjax.experiments.pd_vs_colocated", "CONFIG", "run_pd_vs_colocated"),
+    "afd_ratio": Experiment("pdjax.experiments.afd_ratio", "CONFIG", "run_afd_ratio", "check"),
     "executed_bubbles": Experiment("pdjax.experiments.executed_result", "CONFIG", "run", "check"),
     # serving simulation (pdjax.sim)
     "colocated_vs_pd": Experiment(_SERVING, "ColocatedVsPDConfig", "run_colocated_vs_pd"),
