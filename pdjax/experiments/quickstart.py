@@ -299,12 +299,34 @@ def executed_pipeline_section(cfg: dict, out_dir: str) -> Section:
     return Section("\n".join(md), res.metrics, {"headline": res.headline})
 
 
-SECTIONS = [model_section, analysis_section, pipeline_section, executed_pipeline_section, pd_section]
+def afd_section(cfg: dict, out_dir: str) -> Section:
+    """The AF-disaggregation M:N sweep, simulated (the afd_ratio experiment's defaults:
+    DeepSeek-V3 fp8, attention on H200, FFN on H800, against colocated H800s): per context,
+    the throughput per accelerator against the colocated baseline at each ratio."""
+    from pdjax.experiments import afd_ratio
+    d = afd_ratio.DEFAULTS
+    rows, notes = afd_ratio.sim_rows(pdjax.configs.preset(d["model"]["preset"]), d["hardware"], d["sweep"])
+    table = [{"context": r["context"], "M:N": r["label"], "batch gain": r["batch_gain"],
+              "step-time gain": r["step_time_gain"], "speedup": r["speedup"]} for r in rows]
+    wins = {ctx: [r["M:N"] for r in table if r["context"] == ctx and r["speedup"] > 1]
+            for ctx in dict.fromkeys(r["context"] for r in table)}
+    md = ["## AF disaggregation (simulated M:N sweep)",
+          f"{d['model']['preset']} {d['hardware']['dtype']}, attention on {d['hardware']['attention']}, FFN on "
+          f"{d['hardware']['ffn']} ({d['sweep']['ffn']} of them), m = {d['sweep']['microbatches']}, against "
+          f"{d['hardware']['baseline_ep']} x {d['hardware']['baseline']} colocated; speedup = throughput per "
+          "accelerator / the baseline's. AFD wins at: "
+          + "; ".join(f"{ctx} tokens {', '.join(w) or 'no ratio'}" for ctx, w in wins.items()) + ".", "",
+          results.markdown_table(table), *(["", "; ".join(notes)] if notes else []), "",
+          "The full sweep with a measured AFDEngine run: `pdjax run experiments/afd_ratio.toml`."]
+    return Section("\n".join(md), {"rows": table, "wins": {str(k): v for k, v in wins.items()}})
+
+
+SECTIONS = [model_section, analysis_section, pipeline_section, executed_pipeline_section, pd_section, afd_section]
 
 
 def run_quickstart(cfg: dict, out_dir: str) -> Result:
     """Every section of :data:`SECTIONS` into one Result; metrics and wall_clock are keyed by
-    section (``model``, ``analysis``, ``pipeline``, ``executed_pipeline``, ``pd``)."""
+    section (``model``, ``analysis``, ``pipeline``, ``executed_pipeline``, ``pd``, ``afd``)."""
     parts, metrics, wall_clock, figures = [], {}, {}, {}
     for section in progress.track(SECTIONS, "quickstart: sections"):
         s = section(cfg, out_dir)

@@ -156,8 +156,8 @@ def test_warm_up_compiles_every_view_bucket(tiny_cfg, tiny_params, handoff):
     """After warm_up, serving requests of any length compiles no further step program, and
     the pool is left as it was (empty; tokens still those of pdjax.generate)."""
     pool = DecodePool(tiny_params, tiny_cfg, jax.devices()[:2], {"data": 2}, slots=4, block_size=128,
-                      max_context=CONTEXT, min_view_tokens=1)   # 4 blocks a slot: buckets 1, 2, 3, 4
-    assert pool.warm_up(sampling=(False,)) == 4
+                      max_context=256, min_view_tokens=1)       # 2 blocks a slot: buckets 1, 2
+    assert pool.warm_up(sampling=(False,)) == 2
     compiled = decode._step._cache_size()
     (items, want) = handoff
     slots = [_admit(pool, i, p, f, r) for i, (p, f, r) in enumerate(items)]

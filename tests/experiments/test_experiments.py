@@ -44,6 +44,14 @@ def test_quickstart_runs_and_writes_report(tmp_path):
     for target in re.findall(r"\]\(([^)\s]+)\)", report):            # every link resolves, sub-runs too
         assert os.path.isfile(os.path.join(out_dir, target)), target
     assert os.path.isfile(os.path.join(out_dir, "executed_pipeline", "1f1b.svg"))
+    # the AFD sweep: the afd_ratio experiment's simulated rows, one per (context, ratio)
+    from pdjax.experiments import afd_ratio
+    d = afd_ratio.DEFAULTS
+    afd = result.metrics["afd"]
+    assert "## AF disaggregation" in report
+    assert [(r["context"], r["M:N"]) for r in afd["rows"]] == [
+        (ctx, f"{M}A{d['sweep']['ffn']}F") for ctx in d["sweep"]["contexts"] for M in d["sweep"]["attention"]]
+    assert all(r["speedup"] > 0 for r in afd["rows"])
 
 
 def test_bubble_sweep_through_the_cli(tmp_path, capsys):

@@ -47,7 +47,7 @@ def test_make_trace_is_a_poisson_trace_of_the_mix():
                                                                            output_lens=(2, 6))]
 
 
-@pytest.mark.parametrize("kind", ["colocated", "pd"])
+@pytest.mark.parametrize("kind", ["colocated"])     # "pd" runs the same machinery on a PDEngine (the benchmark)
 def test_compare_engine_rows(tiny_cfg, tiny_params, kind):
     trace = sve.make_trace(6, 40.0, seed=0, prompt_lens=(16, 40), output_lens=(3, 8))
     setup = sve.EngineSetup(slots=4, max_context=64, devices=2)
