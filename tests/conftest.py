@@ -41,15 +41,3 @@ def tiny_cfg():
 @pytest.fixture(scope="session")
 def tiny_params(tiny_cfg):
     return pdjax.init_params(tiny_cfg, jax.random.key(0))
-
-
-# The longest files first (measured cold, two xdist workers, --dist loadfile): a long file
-# scheduled last leaves the other worker idle at the end of the run.
-LONG_FILES = ("disagg/test_pd_scheduling.py", "disagg/test_pd_engine.py", "experiments/test_experiments.py",
-              "disagg/test_afd.py", "disagg/test_two_process.py", "sim/test_sim_vs_engine.py", "test_docs.py",
-              "test_notebooks.py", "disagg/test_decode_pool.py")
-
-
-def pytest_collection_modifyitems(items):
-    rank = {os.path.join(os.path.dirname(__file__), f): i for i, f in enumerate(LONG_FILES)}
-    items.sort(key=lambda item: rank.get(str(item.path), len(LONG_FILES)))
