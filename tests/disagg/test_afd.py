@@ -7,7 +7,6 @@ its micro-batch's requests; bad options fail before any compute."""
 import jax
 import numpy as np
 import pytest
-from jax._src.array import ArrayImpl
 
 import pdjax
 from pdjax.disagg import AFDEngine, RequestError
@@ -15,6 +14,7 @@ from pdjax.disagg.request import Request
 from pdjax.disagg.timeline import Timeline
 
 from faults import FailingFFN, SlowExchange
+from host_transfers import device_fetches
 
 # a donation XLA cannot honour (no output to alias) warns: make it fail the tests
 pytestmark = pytest.mark.filterwarnings("error:Some donated buffers were not usable")
@@ -207,26 +207,16 @@ def test_engine_fails_the_requests_of_a_failed_step_and_serves_the_rest(eng, pro
     assert eng.generate(prompts[:2], max_new_tokens=NEW) == expected[:2]
 
 
-def test_step_never_waits_on_the_host_but_for_the_tokens(cfg, params, eng, eng26, prompts, monkeypatch):
+def test_step_never_waits_on_the_host_but_for_the_tokens(cfg, params, eng, eng26, prompts):
     """Nothing is copied from the host in a step and the one device-to-host copy is the
     tokens: the exchange's copies (M != N too) never go through the host."""
     for e in (eng, eng26):
         pool = e.decode
         slots, _, _ = _admit(pool, cfg, params, prompts[:2])
         pool.step()                                               # compiled outside the guard
-        fetches = []
-        value = ArrayImpl._value
-
-        def counted(self):
-            if self._npy_value is None:                           # a real device-to-host copy
-                fetches.append(self.shape)
-            return value.fget(self)
-
-        monkeypatch.setattr(ArrayImpl, "_value", property(counted))
-        for _ in range(2):
-            with jax.transfer_guard_host_to_device("disallow_explicit"):
+        with device_fetches() as fetches:
+            for _ in range(2):
                 pool.step()
-        monkeypatch.undo()
         for s in slots:
             pool.release(s)
         assert fetches == [(pool.slots,)] * 2

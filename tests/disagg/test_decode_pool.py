@@ -9,13 +9,14 @@ import re
 import jax
 import numpy as np
 import pytest
-from jax._src.array import ArrayImpl
 
 import pdjax
 from pdjax.disagg import decode
 from pdjax.disagg.decode import DecodePool
 from pdjax.disagg.request import Request
 from pdjax.model.paged import view_bucket
+
+from host_transfers import device_fetches
 
 # a donation XLA cannot honour (no output to alias) warns: make it fail the tests
 pytestmark = pytest.mark.filterwarnings("error:Some donated buffers were not usable")
@@ -109,22 +110,13 @@ def test_receive_layer_writes_in_place(tiny_cfg, tiny_params, handoff):
         np.testing.assert_array_equal(blocks[:len(rows)], rows)
 
 
-def test_step_copies_nothing_from_the_host_and_fetches_once(tiny_cfg, tiny_params, handoff, monkeypatch):
+def test_step_copies_nothing_from_the_host_and_fetches_once(tiny_cfg, tiny_params, handoff):
     (short, long_, mid), _ = handoff
     pool = _pool(tiny_cfg, tiny_params)
     slots = dict(_admit(pool, i, *r) for i, r in enumerate((short, long_, mid)))
     _run(pool, slots, 1)                                   # compiled outside the guard
-    fetches = []
-    value = ArrayImpl._value
-
-    def counted(self):
-        if self._npy_value is None:                        # a real device-to-host copy
-            fetches.append(self.shape)
-        return value.fget(self)
-
-    monkeypatch.setattr(ArrayImpl, "_value", property(counted))
-    for _ in range(3):
-        with jax.transfer_guard_host_to_device("disallow_explicit"):
+    with device_fetches() as fetches:
+        for _ in range(3):
             _run(pool, slots, 1)
     assert fetches == [(pool.slots,)] * 3
 
