@@ -4,6 +4,8 @@ the exchange moves exactly the hidden states each way (routing counted apart) wi
 round trip; the micro-batches really ping-pong; a failing FFN call is retried or fails only
 its micro-batch's requests; bad options fail before any compute."""
 
+import math
+
 import jax
 import numpy as np
 import pytest
@@ -63,30 +65,43 @@ def _engine(cfg, params, M, N, m, block_size=32, **kw):
                      num_microbatches=m, block_size=block_size, max_context=128, **kw)
 
 
+# Per M:N: the KV block size and prefill mesh (6:2 and 2:6 prefill replicated, one KV block a slot).
+SPLITS = {(4, 4): {"block_size": 32}, (6, 2): {"block_size": 128, "prefill_mesh": {"data": 6}},
+          (2, 6): {"block_size": 128, "prefill_mesh": {"data": 2}}}
+MS = (1, 2, 3)
+
+
 @pytest.fixture(scope="module")
-def eng(cfg, params):
+def engines(cfg, params):
+    """engines(M, N, m), made once per module. m * lcm(M, N) slots, so a micro-batch has
+    lcm(M, N) rows whatever m, and as many KV blocks per rank as m = 3 needs: the engines of
+    one M:N run the same compiled per-micro-batch programs (only m differs)."""
+    made = {}
+
+    def get(M, N, m):
+        if (M, N, m) not in made:
+            opts = SPLITS[(M, N)]
+            base, blocks = math.lcm(M, N), -(-128 // opts["block_size"])
+            made[M, N, m] = _engine(cfg, params, M, N, m, max_decode_slots=m * base,
+                                    num_blocks=max(MS) * base // M * blocks + 1, **opts)
+        return made[M, N, m]
+    return get
+
+
+@pytest.fixture(scope="module")
+def eng(engines):
     """4 attention and 4 FFN devices, 2 micro-batches, 32-token KV blocks."""
-    return _engine(cfg, params, 4, 4, 2)
+    return engines(4, 4, 2)
 
 
-@pytest.fixture(scope="module")
-def eng62(cfg, params):
-    return _engine(cfg, params, 6, 2, 3, block_size=128, prefill_mesh={"data": 6})
-
-
-@pytest.fixture(scope="module")
-def eng26(cfg, params):
-    return _engine(cfg, params, 2, 6, 1, block_size=128, prefill_mesh={"data": 2})
-
-
-@pytest.mark.parametrize("engine, m", [("eng", 2), ("eng62", 3), ("eng26", 1)])
-def test_afd_equals_generate(request, prompts, expected, engine, m):
+@pytest.mark.parametrize("M, N", list(SPLITS))
+@pytest.mark.parametrize("m", MS)
+def test_afd_equals_generate(engines, prompts, expected, M, N, m):
     """All prompts (1 to 60 tokens) on 4:4 (prefill expert-parallel over the attention
     devices); the longest, the shortest and a 13-token one on 6:2 and 2:6 (prefill
-    replicated there, one KV block per slot: each engine compiles per prompt length and view
-    bucket)."""
-    e = request.getfixturevalue(engine)
-    some = range(len(prompts)) if engine == "eng" else [2, 0, 3]
+    replicated there: each engine compiles per prompt length and view bucket)."""
+    e = engines(M, N, m)
+    some = range(len(prompts)) if (M, N) == (4, 4) else [2, 0, 3]
     assert e.generate([prompts[i] for i in some], max_new_tokens=NEW) == [expected[i] for i in some]
     afd = e.stats["afd"]
     assert afd["steps"] > 0 and afd["ffn_failures"] == 0 and afd["microbatches"] == m
@@ -207,10 +222,10 @@ def test_engine_fails_the_requests_of_a_failed_step_and_serves_the_rest(eng, pro
     assert eng.generate(prompts[:2], max_new_tokens=NEW) == expected[:2]
 
 
-def test_step_never_waits_on_the_host_but_for_the_tokens(cfg, params, eng, eng26, prompts):
+def test_step_never_waits_on_the_host_but_for_the_tokens(cfg, params, engines, prompts):
     """Nothing is copied from the host in a step and the one device-to-host copy is the
     tokens: the exchange's copies (M != N too) never go through the host."""
-    for e in (eng, eng26):
+    for e in (engines(4, 4, 2), engines(2, 6, 1)):
         pool = e.decode
         slots, _, _ = _admit(pool, cfg, params, prompts[:2])
         pool.step()                                               # compiled outside the guard
