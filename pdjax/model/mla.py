@@ -15,7 +15,8 @@ Two equivalent attention paths read it:
 
 Precision: inputs arrive in the compute dtype and every weight is cast to the input's dtype
 where it is used; RMSNorm, RoPE, the scores (accumulated in float32) and the softmax run in
-float32, the probabilities are cast back before they weight the values.
+float32, the probabilities are cast back before they weight the values (the absorbed path
+weights them unnormalised, accumulates in float32 and divides by their sum afterwards).
 """
 
 from __future__ import annotations
@@ -164,15 +165,30 @@ def attend_absorbed(p, cfg: ModelConfig, q_nope, q_pe, kv_BSL, mask_BTS):
 
     One (C+R)-wide dot per (query, cached token, head); the cache is never expanded.
     Returns [B,T,H,V].
+
+    Shaped for memory traffic (decode's cost is reading the cache): the T*H query rows of a
+    batch row form one axis N, the mask enters as an additive bias, so the score dot, the
+    bias, the row max and the exponentials fuse (the float32 scores are never written);
+    the exponentials ``e`` [B,N,S], rounded to the cache's dtype, are the only per-head
+    array in memory, read by the row sums and by the value dot; the value dot accumulates in
+    float32 and the small [B,N,C] result is divided by the sums (softmax normalised last,
+    the same weights in the numerator and the denominator).
     """
+    B, T, H, _ = q_nope.shape
+    C, N = cfg.kv_lora_rank, T * H
     q_lat_BTHC = jnp.einsum("BTHK,CHK->BTHC", q_nope, p["wk_b"].astype(q_nope.dtype))
-    q_BTHL = jnp.concatenate([q_lat_BTHC, q_pe.astype(q_lat_BTHC.dtype)], axis=-1)
-    scores = jnp.einsum("BTHL,BSL->BHTS", q_BTHL, kv_BSL, preferred_element_type=jnp.float32) * cfg.softmax_scale
-    probs = _masked_softmax(scores, mask_BTS).astype(kv_BSL.dtype)
+    q_BNL = jnp.concatenate([q_lat_BTHC, q_pe.astype(q_lat_BTHC.dtype)], axis=-1).reshape(B, N, -1)
+    bias_BNS = jnp.broadcast_to(jnp.where(mask_BTS, 0.0, -jnp.inf).astype(jnp.float32)[:, :, None],
+                                (B, T, H, kv_BSL.shape[1])).reshape(B, N, -1)
+    scores = jnp.einsum("BNL,BSL->BNS", q_BNL, kv_BSL, preferred_element_type=jnp.float32)
+    scores = scores * cfg.softmax_scale + bias_BNS
+    e_BNS = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True)).astype(kv_BSL.dtype)
+    denom_BN1 = jnp.sum(e_BNS, axis=-1, keepdims=True, dtype=jnp.float32)
     # Attend over the full cached rows and drop the rope columns of the small result: slicing
     # the latent out of the cache first would copy the cache.
-    o_BTHL = jnp.einsum("BHTS,BSL->BTHL", probs, kv_BSL)
-    return jnp.einsum("BTHC,CHV->BTHV", o_BTHL[..., : cfg.kv_lora_rank], p["wv_b"].astype(o_BTHL.dtype))
+    o_BNL = jnp.einsum("BNS,BSL->BNL", e_BNS, kv_BSL, preferred_element_type=jnp.float32)
+    o_BTHC = (o_BNL[..., :C] / denom_BN1).astype(kv_BSL.dtype).reshape(B, T, H, C)
+    return jnp.einsum("BTHC,CHV->BTHV", o_BTHC, p["wv_b"].astype(o_BTHC.dtype))
 
 
 def output_proj(p, o_BTHV):
