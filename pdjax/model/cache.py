@@ -14,9 +14,11 @@ attention reads them back in the compute dtype.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pdjax.config import ModelConfig, dtype_name
 
@@ -72,7 +74,36 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCach
             f"max_len={max_len} exceeds max_position_embeddings={cfg.max_position_embeddings}")
     kv = tuple(jnp.zeros((batch, max_len, cfg.kv_latent_dim), dtype)
                for _ in range(cfg.num_hidden_layers))
-    return KVCache(kv=kv, lengths=jnp.zeros((batch,), jnp.int32))
+    return KVCache(kv=kv, lengths=remember_lengths(jnp.zeros((batch,), jnp.int32), np.zeros(batch, np.int32)))
+
+
+# ---- the host's copy of the lengths -----------------------------------------------------------
+# The host chose every row length of a cache that init_cache / prefill / decode_step made, so
+# their bound checks (a full cache, a chunk past the end) read this copy instead of fetching
+# cache.lengths from the device: a fetch would wait for the step that computes it and stop a
+# decode loop from dispatching ahead. Keyed by the device array's id, dropped when the array is.
+_HOST_LENGTHS: dict[int, np.ndarray] = {}
+
+
+def remember_lengths(lengths, host_B):
+    """Record that the device array ``lengths`` holds ``host_B`` (numpy [B]); returns ``lengths``.
+    Tracers and host arrays are returned unrecorded."""
+    if isinstance(lengths, jax.Array) and not isinstance(lengths, jax.core.Tracer):
+        key = id(lengths)
+        _HOST_LENGTHS[key] = np.asarray(host_B, np.int32)
+        weakref.finalize(lengths, _HOST_LENGTHS.pop, key, None)
+    return lengths
+
+
+def host_lengths(lengths):
+    """``lengths`` as numpy [B] without a device-to-host copy: a host array as it is, a device
+    array the host recorded (:func:`remember_lengths`), else None (a tracer, or a device array
+    made elsewhere)."""
+    if isinstance(lengths, jax.core.Tracer):
+        return None
+    if isinstance(lengths, jax.Array):
+        return _HOST_LENGTHS.get(id(lengths))
+    return np.asarray(lengths)
 
 
 def to_cache_dtype(x, dtype):

@@ -18,7 +18,11 @@ float32). New latents are rounded to the cache dtype when written and read back 
 compute dtype.
 
 Every public function validates its inputs on the host and raises ValueError before any
-compute; the jitted cores below take the config as a static argument.
+compute; the jitted cores below take the config as a static argument. Host inputs (numpy,
+lists) are checked in full; device arrays (jax.Array) for shape and dtype only, and a cache's
+bounds against the lengths the host recorded for it (:func:`pdjax.model.cache.host_lengths`):
+no check fetches a device value, so a loop of ``decode_step`` calls feeding back device
+tokens dispatches ahead of the device without waiting for any step.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import numpy as np
 from pdjax.config import PARAM_DTYPES, ModelConfig, dtype_name
 from pdjax.model import mla
 from pdjax.model import moe as moe_lib
-from pdjax.model.cache import KVCache, to_cache_dtype, write_rows
+from pdjax.model.cache import KVCache, host_lengths, remember_lengths, to_cache_dtype, write_rows
 from pdjax.model.initializers import scaled_normal
 
 
@@ -266,17 +270,27 @@ def _is_tracer(x) -> bool:
     return isinstance(x, jax.core.Tracer)
 
 
+def _on_device(x) -> bool:
+    """A concrete jax.Array: reading its values would copy them to the host and wait for them."""
+    return isinstance(x, jax.Array) and not _is_tracer(x)
+
+
 def check_tokens(cfg: ModelConfig, tokens, ndim: int, name: str = "tokens"):
-    """Shape, dtype and range checks on the host; returns an int32 array."""
+    """Shape and dtype checks, and for host inputs the range of the ids; returns int32 tokens
+    (a device array stays on its devices and its ids are not range-checked: that would fetch
+    them and wait for the computation that makes them)."""
     if _is_tracer(tokens):
         return tokens
-    arr = np.asarray(tokens)
+    device = _on_device(tokens)
+    arr = tokens if device else np.asarray(tokens)
     if arr.ndim != ndim:
         raise ValueError(f"{name} must have {ndim} dims, got shape {arr.shape}")
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise TypeError(f"{name} must be integer token ids, got dtype {arr.dtype}")
     if 0 in arr.shape:
         raise ValueError(f"{name} is empty (shape {arr.shape})")
+    if device:
+        return arr if arr.dtype == jnp.int32 else arr.astype(jnp.int32)
     lo, hi = int(arr.min()), int(arr.max())
     if lo < 0 or hi >= cfg.vocab_size:
         bad = lo if lo < 0 else hi
@@ -322,10 +336,16 @@ def forward(params, cfg: ModelConfig, tokens, *, moe_impl=None, batch_sharding=N
 
 
 def _check_lengths(lengths, B: int, T: int):
+    """Per-row valid tokens of a [B,T] chunk: default T; a device array is checked for shape
+    and dtype only, host values also for the range [1, T]."""
     if lengths is None:
         return np.full((B,), T, np.int32)
     if _is_tracer(lengths):
         return lengths
+    if _on_device(lengths):
+        if lengths.shape != (B,) or not np.issubdtype(lengths.dtype, np.integer):
+            raise ValueError(f"lengths must be [B={B}] integers, got shape {lengths.shape} dtype {lengths.dtype}")
+        return lengths.astype(jnp.int32)
     lengths = np.asarray(lengths, np.int32)
     if lengths.shape != (B,) or lengths.min() < 1 or lengths.max() > T:
         raise ValueError(f"lengths must be [B={B}] values in [1, {T}], got {lengths.tolist()}")
@@ -355,31 +375,42 @@ def prefill(params, cfg: ModelConfig, tokens, *, max_len: int | None = None,
         lengths = _check_lengths(lengths, B, T)
         out, stats = _prefill_fresh(params, cfg, _place(tokens, batch_sharding),
                                     _place(jnp.asarray(lengths), batch_sharding), max_len, absorbed, moe_impl)
+        if not _on_device(lengths):
+            remember_lengths(out[1].lengths, lengths)
         return _finish(out, stats, moe_impl, return_stats, "prefill")
     if max_len is not None and max_len != cache.max_len:
         raise ValueError(f"max_len={max_len} disagrees with the given cache ({cache.max_len})")
     if cache.batch != B:
         raise ValueError(f"tokens batch {B} does not match cache batch {cache.batch}")
     lengths = _check_lengths(lengths, B, T)
-    if not _is_tracer(cache.lengths):
-        end = np.asarray(cache.lengths) + T
-        if end.max() > cache.max_len:
-            raise ValueError(f"prompt of {T} tokens after a cached prefix of "
-                             f"{int(end.max()) - T} exceeds max_len={cache.max_len}")
+    start = host_lengths(cache.lengths)           # None: a device array the host has no copy of
+    if start is not None and start.max() + T > cache.max_len:
+        raise ValueError(f"prompt of {T} tokens after a cached prefix of "
+                         f"{int(start.max())} exceeds max_len={cache.max_len}")
     out, stats = _prefill(params, cfg, _place(tokens, batch_sharding), cache,
                           _place(jnp.asarray(lengths), batch_sharding), absorbed, moe_impl)
+    if start is not None and not _on_device(lengths):
+        remember_lengths(out[1].lengths, start + lengths)
     return _finish(out, stats, moe_impl, return_stats, "prefill")
 
 
 def decode_step(params, cfg: ModelConfig, next_tokens, cache: KVCache, *, moe_impl=None,
                 batch_sharding=None, return_stats: bool = False):
-    """One token per row [B] -> (logits [B,V] float32, cache). Absorbed MLA; cache donated."""
+    """One token per row [B] -> (logits [B,V] float32, cache). Absorbed MLA; cache donated.
+
+    Nothing here waits for the device (see the module docstring): ``next_tokens`` may be the
+    previous step's ``argmax`` still being computed. The full-cache check uses the lengths the
+    host recorded for caches made by init_cache / prefill / decode_step; a cache whose device
+    lengths were made elsewhere is checked for shape only."""
     next_tokens = check_tokens(cfg, next_tokens, 1, "next_tokens")
     if next_tokens.shape[0] != cache.batch:
         raise ValueError(f"next_tokens batch {next_tokens.shape[0]} does not match cache batch {cache.batch}")
-    if not _is_tracer(cache.lengths) and int(np.asarray(cache.lengths).max()) >= cache.max_len:
+    start = host_lengths(cache.lengths)
+    if start is not None and start.max() >= cache.max_len:
         raise ValueError(f"cache is full: a row already holds max_len={cache.max_len} tokens")
     out, stats = _decode_step(params, cfg, _place(next_tokens, batch_sharding), cache, moe_impl)
+    if start is not None:
+        remember_lengths(out[1].lengths, start + 1)
     return _finish(out, stats, moe_impl, return_stats, "decode_step")
 
 
