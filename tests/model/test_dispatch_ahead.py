@@ -59,6 +59,15 @@ def test_decode_loop_on_device_tokens_never_waits_for_the_device(tiny_cfg, tiny_
             pdjax.prefill(params, cfg, tok[:, None], cache=cache, lengths=two)
         returned.set()
 
+    # first, every program the loop runs is compiled (with an open gate, on a second cache):
+    # the gated run below must only dispatch, however slow compiling is on a loaded machine
+    opened = threading.Event()
+    opened.set()
+    _, spare = pdjax.prefill(params, cfg, prompt, max_len=14, lengths=[5, 4, 3])
+    loop(_held_back(jnp.argmax(logits[:, -1], -1), opened), spare)
+    jax.block_until_ready(state["cache"])
+    returned.clear()
+    state.clear()
     first = _held_back(jnp.argmax(logits[:, -1], -1).block_until_ready(), gate)
     worker = threading.Thread(target=loop, args=(first, cache))
     worker.start()
