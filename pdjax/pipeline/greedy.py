@@ -1,5 +1,5 @@
-"""A memory-capped greedy list scheduler over any layout, and the zero-bubble family
-built with it: ZB-H2 (``zbh2``), ZB-V (``zbv``), V-Half (``v-half``), V-Min (``v-min``).
+"""A memory-capped greedy list scheduler over any layout, and the zero-bubble family:
+ZB-H2 (``zbh2``), ZB-V (``zbv``), V-Half (``v-half``), V-Min (``v-min``).
 
 :func:`greedy_schedule` builds a schedule op by op, as a simulation: each rank, when it
 is free, starts the highest-priority op whose inputs have arrived and which fits its
@@ -16,15 +16,14 @@ allocates ``mem_F`` at its start, an ``I`` allocates ``mem_I`` at its start and 
 rank's memory after its allocation stays within ``cap`` (ops on a rank run one after
 another, so the memory at a start is the sum over the ops already run).
 
-The named generators run the scheduler with unit costs ``F = I = W = 1``, no comm, and
-a memory cap that is the published memory of the schedule, in units of one stage's
-micro-batch activations:
+ZB-V (``zbv``) is the paper's hand-made phase pattern (see :func:`zbv`) and V-Half a
+repeating block (see :func:`v_half`). ZB-H2 and V-Min run the scheduler with unit costs
+``F = I = W = 1``, no comm, and a memory cap that is the published memory of the
+schedule, in units of one stage's micro-batch activations:
 
 | name | layout | cap per rank | published claim (zero-bubble papers) |
 |---|---|---|---|
 | ``zbh2`` | chain, P stages | ``2P - 1`` (2x 1F1B) | zero bubble when F = I = W |
-| ``zbv`` | V, 2P stages | ``2P`` (= P full stages, 1x 1F1B) | zero bubble when F = I = W |
-| ``v-half`` | V, 2P stages | ``P + 1`` (about 1/2 of 1F1B) | about half of 1F1B's memory |
 | ``v-min`` | V, 2P stages | ``ceil(2P/3) + 1`` (about 1/3) | about a third of 1F1B's memory |
 
 "Zero bubble" is about the steady state the papers measure: every rank busy from its
@@ -303,9 +302,62 @@ def _v(name: str, num_ranks: int, num_microbatches: int, cap) -> Schedule:
 
 
 def zbv(num_ranks: int, num_microbatches: int) -> Schedule:
-    """ZB-V: ``2P`` stages in a V (rank r holds r and 2P-1-r), I/W split, up to ``2P``
-    stage activations per rank (each stage holds half a rank's layers: 1F1B's memory)."""
-    return _v("zbv", num_ranks, num_microbatches, lambda p: 2 * p)
+    """ZB-V, the zero-bubble paper's hand-made V schedule (arXiv 2401.10241, section 6).
+
+    ``2P`` stages in a V: rank ``r`` holds ``down = r`` and ``up = 2P-1-r``, each half a
+    rank's layers; backwards split into I and W. With unit op times (``F = I = W``, no
+    comm) rank ``r`` can start at slot ``r`` and every rank stays busy to its last op.
+    Rank ``r``'s program, in phases:
+
+    1. warm-up: micro-batch 0 comes back up the V to ``up`` at slot ``2P-1-r``, so
+       ``2(P-r) - 1`` forwards of ``down`` fill the slots before it;
+    2. ``r`` pairs (F ``up``, F ``down``): the up-leg forwards arrive every second slot
+       while rank ``r+1`` interleaves its own;
+    3. ``P - r`` triples (F, I, W of ``up``): the first backwards start at the V's end;
+    4. steady state, 1F-1I-1W on each stage in turn: (F, I, W of ``down``), (F, I, W of
+       ``up``) until every forward ran;
+    5. cool-down: ``r`` pairs (I ``down``, I ``up``) with their W deferred, ``P - r`` pairs
+       (I ``down``, W ``down``), then the deferred W's of ``up`` and of ``down``: rank
+       ``r``'s last I comes ``r`` slots after rank 0's, and its W's fill the wait.
+
+    Phase counts assume ``m >= 2P - 1`` micro-batches; with fewer, the ops of the missing
+    ones are left out (the program keeps its order; the simulator then shows the bubble).
+    Peak: ``2P`` stage activations per rank (= ``P`` full stages, 1F1B's). See
+    ``tests/pipeline/test_pipeline_zero_bubble.py`` for the claims checked by simulation.
+    """
+    p = _check_int("num_ranks", num_ranks, 1)
+    m = _check_int("num_microbatches", num_microbatches, 1)
+    n = max(m, 2 * p - 1)   # phase counts of a long enough step; ops of mb >= m dropped
+    programs = []
+    for r in range(p):
+        down, up = r, 2 * p - 1 - r
+        count = {(k, s): 0 for k in "FIW" for s in (down, up)}
+        prog: list[Op] = []
+
+        def emit(*ops: tuple[str, int]) -> None:
+            for kind, stage in ops:
+                mb = count[(kind, stage)]
+                count[(kind, stage)] = mb + 1
+                if mb < m:
+                    prog.append(Op(kind, stage, mb))
+
+        emit(*[("F", down)] * (2 * (p - r) - 1))
+        for _ in range(r):
+            emit(("F", up), ("F", down))
+        for _ in range(p - r):
+            emit(("F", up), ("I", up), ("W", up))
+        while count[("F", down)] < n or count[("F", up)] < count[("F", down)]:
+            if count[("F", down)] < n:
+                emit(("F", down))
+            emit(("I", down), ("W", down), ("F", up), ("I", up), ("W", up))
+        for _ in range(r):
+            emit(("I", down), ("I", up))
+        for _ in range(p - r):
+            emit(("I", down), ("W", down))
+        emit(*[("W", up)] * (count[("I", up)] - count[("W", up)]))
+        emit(*[("W", down)] * (count[("I", down)] - count[("W", down)]))
+        programs.append(tuple(prog))
+    return Schedule("zbv", Layout.v_shape(p, m), tuple(programs))
 
 
 def v_half(num_ranks: int, num_microbatches: int) -> Schedule:

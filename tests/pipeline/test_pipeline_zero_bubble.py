@@ -56,6 +56,32 @@ def test_zbh2_simulator_says_when_the_claim_fails(costs):
     assert span_bubble(t).max() > 0
 
 
+@pytest.mark.parametrize("p,m", [(2, 3), (4, 7), (4, 16), (5, 12), (8, 32)])
+def test_zbv_zero_bubble_at_1f1b_memory(p, m):
+    """ZB-V with F = I = W (per rank; a V stage costs half) and m >= 2P - 1: every rank busy
+    from its first op to its last, makespan m(F+I+W) + (P-1)F/2 (rank r starts at r half
+    forwards and runs its 6m half ops back to back), peak 2P half-stage activations =
+    P rank units = 1F1B's peak."""
+    F = I = W = 1.0
+    t = pp.simulate(pp.build("zbv", p, m), F=F / 2, B=(I + W) / 2, W=W / 2)
+    t1 = pp.simulate(pp.build("1f1b", p, m), F=F, B=I + W, W=W)
+    assert np.allclose(span_bubble(t), 0.0)
+    starts = np.array([s.min() for s in t.starts])
+    assert np.allclose(starts, np.arange(p) * F / 2)
+    assert np.isclose(t.makespan, m * (F + I + W) + (p - 1) * F / 2)
+    assert t.peak_activations.max() / 2 == t1.peak_activations.max() == p
+
+
+@pytest.mark.parametrize("p,m,costs", [
+    (4, 5, dict(F=0.5, B=1.0, W=0.5)),              # m < 2P - 1: not enough micro-batches
+    (4, 16, dict(F=0.5, B=1.0, W=0.5, comm=0.1)),   # a link latency
+    (4, 16, dict(F=0.5, B=1.5, W=0.5)),             # I = 2F
+])
+def test_zbv_simulator_says_when_the_claim_fails(p, m, costs):
+    t = pp.simulate(pp.build("zbv", p, m), **costs)
+    assert span_bubble(t).max() > 1e-9
+
+
 @pytest.mark.parametrize("p,m", [(4, 16), (8, 32)])
 def test_v_schedules_memory_against_1f1b(p, m):
     """In units of one rank's layers (a V stage holds half): ZB-V <= 1F1B's P, V-Half <=
