@@ -142,7 +142,15 @@ def greedy_schedule(layout: Layout, *, F=1.0, I=1.0, W=1.0, FB=None, comm=0.0, c
             t = max(t, g)
         return t
 
+    binding = [False]   # whether the cap ever refused an op (if not, a larger cap changes nothing)
+
     def fits(r: int, s: int, mb: int, amount: float) -> bool:
+        if not _fits(r, s, mb, amount):
+            binding[0] = True
+            return False
+        return True
+
+    def _fits(r: int, s: int, mb: int, amount: float) -> bool:
         entry = inflight[r].get(mb)
         held, rem = entry if entry is not None else (0.0, need_total[s])
         running = mem[r] + amount
@@ -191,24 +199,28 @@ def greedy_schedule(layout: Layout, *, F=1.0, I=1.0, W=1.0, FB=None, comm=0.0, c
                 return start, "P", fwd, bwd
         return start, best[2], best[3], -1
 
-    heap = []
-    for r in range(R):
-        c = choose(r)
+    # one cached choice per rank, valid until the rank or a neighbour feeding it commits
+    # an op (its inputs, memory and W queue change only then); heap entries carry the
+    # version of the choice they were made for, and older ones are skipped
+    choice: list = [None] * R
+    version = [0] * R
+    heap: list = []
+
+    def refresh(q: int) -> None:
+        version[q] += 1
+        choice[q] = c = choose(q)
         if c is not None:
-            heapq.heappush(heap, (c[0], r))
-    stale = set()
+            heapq.heappush(heap, (c[0], q, version[q]))
+
+    for r in range(R):
+        refresh(r)
     while left_total:
+        while heap and heap[0][2] != version[heap[0][1]]:
+            heapq.heappop(heap)
         if not heap:
             return None
-        _, r = heapq.heappop(heap)
-        c = choose(r)
-        if c is None:
-            stale.add(r)
-            continue
-        start, kind, s, s2 = c
-        if heap and start > heap[0][0] + 1e-12:   # a rank with an earlier start goes first
-            heapq.heappush(heap, (start, r))
-            continue
+        _, r, _ = heapq.heappop(heap)
+        start, kind, s, s2 = choice[r]
         touched = set()
         if kind == "W":
             s_w, mb = wq[r].pop(0)
@@ -253,13 +265,10 @@ def greedy_schedule(layout: Layout, *, F=1.0, I=1.0, W=1.0, FB=None, comm=0.0, c
             ops[r].append(made[0] if len(made) == 1 else OverlapFB(made[0], made[1]))
         free[r] = end
         touched.add(r)
-        for q in touched | stale:
-            c = choose(q)
-            if c is not None:
-                heapq.heappush(heap, (c[0], q))
-        stale.clear()
+        for q in touched:
+            refresh(q)
     return Schedule(name, layout, tuple(tuple(o) for o in ops),
-                    (("policy", policy.label()), ("cap", tuple(caps))))
+                    (("policy", policy.label()), ("cap", tuple(caps)), ("cap_binding", binding[0])))
 
 
 def _same_rank_before(layout: Layout, stage: int) -> bool:

@@ -18,15 +18,23 @@ rank's layers (1F1B peaks at ``P``). Families and their layouts:
   (parameters twice): DualPipe and the greedy scheduler with and without overlapped pairs.
 
 Every candidate is simulated (:func:`~pdjax.pipeline.simulate` with the memory model),
-kept if its peak fits the budget, and the least makespan wins. The candidate pool does not
-depend on the budget, so a larger budget never gives a longer makespan; for small cases
-(``num_ranks * num_microbatches <= milp_max_ops``, one stage per rank) a MILP
-(:mod:`.milp`) starts from the best greedy and gives the optimum or a gap.
+kept if its peak fits the budget, and the least makespan wins. ``time_limit_s`` bounds the
+whole search: the hand-written schedules always run (linear in the ops), the greedy pool
+runs until the deadline (``SearchResult.complete`` says whether it finished), and the
+MILP gets what is left. A greedy run whose cap refused nothing is the same schedule for
+every larger cap, so the larger caps of that policy are skipped.
+
+Guarantee: the pool (hand-written + greedy) does not depend on the budget, so when both
+runs are ``complete`` a larger budget never gives a longer ``pool_makespan``. The MILP
+(small one-stage-per-rank cases, ``num_ranks * num_microbatches <= milp_max_ops``) can
+only improve on the pool, but it may prove an optimum at one budget and time out at a
+larger one, so ``makespan`` itself is monotone only where the MILP finishes.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -59,7 +67,9 @@ class SearchResult:
     """``schedule``/``timeline``: the best within the budget; ``lower_bound``: proven
     bound on any schedule of the searched layouts (:mod:`.bound`); ``frontier``: the
     (peak memory, makespan) Pareto points over all candidates; ``milp``: status, objective
-    and dual bound of the exact program (``None`` when not run); ``candidates``: all."""
+    and dual bound of the exact program (``None`` when not run); ``candidates``: all;
+    ``complete``: whether the whole greedy pool ran within ``time_limit_s``;
+    ``pool_makespan``: the best fitting makespan of the pool alone (without the MILP)."""
 
     schedule: Schedule
     timeline: Timeline
@@ -68,6 +78,8 @@ class SearchResult:
     candidates: list[Candidate] = field(repr=False)
     milp: dict | None = None
     label: str = ""
+    complete: bool = True
+    pool_makespan: float = math.nan
 
     @property
     def makespan(self) -> float:
@@ -152,54 +164,60 @@ def search(num_ranks: int, num_microbatches: int, F=1.0, B=2.0, W=1.0, comm=0.0,
     per_rank_costs = {"F": f, "I": i_, "W": w, "FB": fb, "comm": c}
     per_rank_mem = {"F": mf, "I": mi, "I_free": mif}
     layouts = _layouts(p, m, fams)
+    deadline = time.monotonic() + float(time_limit_s)
     candidates: list[Candidate] = []
     bounds = []
+    greedy_jobs = []   # (family, layout, stage costs, stage memory, simulate kwargs)
     for fam, layout in layouts.items():
         sc = _stage_view(layout, fam, per_rank_costs)
         smem = _stage_view(layout, fam, per_rank_mem)
         sim_kw = dict(F=sc["F"], B=sc["I"] + sc["W"], W=sc["W"], I=sc["I"], FB=sc["FB"], comm=sc["comm"],
                       memory={k: smem[k] for k in ("F", "I", "I_free")})
         bounds.append(_layout_bound(layout, sc))
-
-        def add(label: str, s: Schedule | None) -> None:
-            if s is None:
-                return
-            t = simulate(s, check=False, **sim_kw)
-            candidates.append(Candidate(fam, label, float(t.peak_memory.max()), t.makespan, s))
-
-        for name in _HAND[fam]:
+        for name in _HAND[fam]:   # cheap (linear in the ops): always in the pool
             try:
-                add(name, GENERATORS[name](p, m))
+                _add(candidates, fam, name, GENERATORS[name](p, m), sim_kw)
             except ValueError:
                 pass   # a size the hand-written schedule does not support
+        greedy_jobs.append((fam, layout, sc, smem, sim_kw))
+    complete = True
+    for fam, layout, sc, smem, sim_kw in greedy_jobs:
         per_mb = float(np.max([sum(smem["F"][q] + smem["I"][q] for q in layout.stages_on_rank(r))
                                for r in range(p)]))
         # caps on a grid of whole micro-batch activations, independent of the budget
         caps = sorted({per_mb, math.inf} | {k * one_mb for k in range(1, 2 * p + 2) if k * one_mb >= per_mb})
         policies = [Policy(ff, lag, True, ov) for ff in (False, True) for lag in (None, 0, 1)
                     for ov in ((False, True) if fam == "dualpipe" and np.any(fb < f + i_ + w) else (False,))]
-        for cap in caps:
-            for pol in policies:
-                add(f"greedy {pol.label()} cap {cap:g}",
-                    greedy_schedule(layout, F=sc["F"], I=sc["I"], W=sc["W"], FB=sc["FB"], comm=sc["comm"],
-                                    cap=cap, mem_F=smem["F"], mem_I=smem["I"], mem_I_free=smem["I_free"],
-                                    policy=pol, name=f"search-{fam}"))
+        for pol in policies:
+            for cap in caps:
+                if time.monotonic() > deadline:
+                    complete = False
+                    break
+                sched = greedy_schedule(layout, F=sc["F"], I=sc["I"], W=sc["W"], FB=sc["FB"], comm=sc["comm"],
+                                        cap=cap, mem_F=smem["F"], mem_I=smem["I"], mem_I_free=smem["I_free"],
+                                        policy=pol, name=f"search-{fam}")
+                _add(candidates, fam, f"greedy {pol.label()} cap {cap:g}", sched, sim_kw)
+                if sched is not None and not sched.option("cap_binding"):
+                    break   # the cap refused nothing: every larger cap builds this schedule
     if not candidates:
         raise ValueError(f"no family in {fams} supports num_ranks={p}, num_microbatches={m}")
     fitting = [cd for cd in candidates if cd.peak_memory <= budget + 1e-9]
     if not fitting:
         raise ValueError(f"no schedule found within memory_budget={memory_budget!r} "
                          f"(least peak found: {min(cd.peak_memory for cd in candidates):g})")
-    best = min(fitting, key=lambda cd: (cd.makespan, cd.peak_memory))
+    best = pool_best = min(fitting, key=lambda cd: (cd.makespan, cd.peak_memory))
     milp_info = None
-    if "zb" in layouts and 3 * p * m <= 3 * milp_max_ops:
+    left = deadline - time.monotonic()
+    if "zb" in layouts and p * m <= milp_max_ops and left <= 0:
+        milp_info = {"status": "skipped (time limit)", "objective": None, "dual_bound": None}
+    elif "zb" in layouts and p * m <= milp_max_ops:
         from .milp import milp_schedule
 
         layout = layouts["zb"]
         sc = _stage_view(layout, "zb", per_rank_costs)
         incumbent = min((cd.makespan for cd in fitting if cd.family == "zb"), default=None)
         sched, status, obj, dual = milp_schedule(layout, sc, cap=budget, memory=per_rank_mem,
-                                                 upper_bound=incumbent, time_limit_s=time_limit_s)
+                                                 upper_bound=incumbent, time_limit_s=left)
         if status == "infeasible" and incumbent is not None:
             # nothing beats the incumbent: the best greedy one-stage-per-rank schedule is optimal
             status, obj, dual = "optimal (greedy)", incumbent, incumbent
@@ -218,7 +236,14 @@ def search(num_ranks: int, num_microbatches: int, F=1.0, B=2.0, W=1.0, comm=0.0,
     timeline = simulate(best.schedule, F=sc["F"], B=sc["I"] + sc["W"], W=sc["W"], I=sc["I"], FB=sc["FB"],
                         comm=sc["comm"], memory={k: smem[k] for k in ("F", "I", "I_free")})
     return SearchResult(best.schedule, timeline, float(min(bounds)), pareto(candidates), candidates,
-                        milp_info, best.label)
+                        milp_info, best.label, complete, pool_best.makespan)
+
+
+def _add(candidates: list, fam: str, label: str, s: Schedule | None, sim_kw: dict) -> None:
+    if s is None:
+        return
+    t = simulate(s, check=False, **sim_kw)
+    candidates.append(Candidate(fam, label, float(t.peak_memory.max()), t.makespan, s))
 
 
 def pareto(candidates) -> list[tuple[float, float]]:

@@ -2,12 +2,14 @@
 the MILP against brute-force enumeration, the lower bound, and bad input."""
 
 import itertools
+import time
 
 import numpy as np
 import pytest
 
 import pdjax.pipeline as pp
 from pdjax.pipeline.bound import lower_bound
+from pdjax.pipeline.greedy import greedy_schedule
 from pdjax.pipeline.layout import Layout
 from pdjax.pipeline.milp import milp_schedule
 from pdjax.pipeline.ops import Op
@@ -63,7 +65,7 @@ def test_returned_schedule_validates_fits_and_simulates(budget):
     res = search(3, 4, **COSTS, memory_budget=budget, time_limit_s=2)
     res.schedule.validate()
     assert res.timeline.peak_memory.max() <= budget + 1e-9
-    scale = 0.5 if res.schedule.layout.num_stages == 6 and len(res.schedule.layout.pipelines) == 1 else 1.0
+    scale = 0.5 if res.schedule.layout == Layout.v_shape(3, 4) else 1.0   # a V stage holds half a rank
     t = pp.simulate(res.schedule, F=COSTS["F"] * scale, B=COSTS["B"] * scale, W=COSTS["W"] * scale,
                     comm=COSTS["comm"], memory={"F": scale})
     assert t.makespan == pytest.approx(res.makespan)
@@ -74,7 +76,9 @@ def test_returned_schedule_validates_fits_and_simulates(budget):
 
 def test_larger_budget_never_longer_and_dominates_hand_written():
     costs = dict(F=1.0, B=2.0, W=1.0, comm=0.05, FB=2.5)
-    spans = [search(2, 4, **costs, memory_budget=b, milp_max_ops=0).makespan for b in (1, 1.5, 2, 3, 4)]
+    runs = [search(2, 4, **costs, memory_budget=b, milp_max_ops=0) for b in (1, 1.5, 2, 3, 4)]
+    assert all(r.complete for r in runs)
+    spans = [r.makespan for r in runs]
     assert all(a >= b - 1e-9 for a, b in zip(spans, spans[1:]))
     p, m = 4, 8
     hand = {n: pp.simulate(pp.build(n, p, m), **costs) for n in ("1f1b", "zb1p", "dualpipe")}
@@ -83,6 +87,31 @@ def test_larger_budget_never_longer_and_dominates_hand_written():
     assert res.makespan <= min(hand["1f1b"].makespan, hand["zb1p"].makespan) + 1e-9
     res = search(p, m, **costs, memory_budget=hand["dualpipe"].peak_memory.max(), milp_max_ops=0)
     assert res.makespan <= hand["dualpipe"].makespan + 1e-9
+
+
+def test_time_limit_bounds_the_whole_search():
+    """8 x 32: the whole greedy pool takes seconds; with a 0.1 s limit the search stops
+    early, says so, and still returns a valid schedule within the budget."""
+    t0 = time.perf_counter()
+    res = search(8, 32, F=1.0, B=2.0, W=1.0, memory_budget=8, families=("zb", "v"), time_limit_s=0.1)
+    elapsed = time.perf_counter() - t0
+    assert not res.complete and elapsed < 0.1 + 3.0   # 3 s: lower bound, hand-written, final simulate
+    res.schedule.validate()
+    assert res.timeline.peak_memory.max() <= 8 + 1e-9
+    assert res.makespan <= pp.simulate(pp.build("1f1b", 8, 32), F=1.0, B=2.0, W=1.0).makespan + 1e-9
+
+
+@pytest.mark.parametrize("layout", [Layout.chain(range(4), 8, num_ranks=4), Layout.v_shape(4, 8)])
+def test_a_cap_that_refused_nothing_builds_the_same_schedule_at_any_larger_cap(layout):
+    """What lets search() skip the larger caps of a policy."""
+    seen = 0
+    for cap in range(2, 18):
+        s = greedy_schedule(layout, F=1.0, I=1.0, W=1.0, comm=0.1, cap=cap)
+        if s is not None and not s.option("cap_binding"):
+            seen += 1
+            for larger in (cap + 1, cap + 5, np.inf):
+                assert greedy_schedule(layout, F=1.0, I=1.0, W=1.0, comm=0.1, cap=larger).ops == s.ops
+    assert seen   # some cap in the range was not binding
 
 
 def test_frontier_is_pareto():
