@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections import deque
 
 from .dualpipe import _check_int, dualpipe, dualpipev
-from .greedy import v_half, v_min, zbh2, zbv
+from .greedy import zbh2, zbv
+from .vblock import v_half, v_min
 from .layout import Layout
 from .ops import Op
 from .schedule import Schedule

@@ -1,5 +1,5 @@
 """A memory-capped greedy list scheduler over any layout, and the zero-bubble family:
-ZB-H2 (``zbh2``), ZB-V (``zbv``), V-Half (``v-half``), V-Min (``v-min``).
+ZB-H2 (``zbh2``) and ZB-V (``zbv``); V-Half and V-Min are in :mod:`.vblock`.
 
 :func:`greedy_schedule` builds a schedule op by op, as a simulation: each rank, when it
 is free, starts the highest-priority op whose inputs have arrived and which fits its
@@ -16,15 +16,10 @@ allocates ``mem_F`` at its start, an ``I`` allocates ``mem_I`` at its start and 
 rank's memory after its allocation stays within ``cap`` (ops on a rank run one after
 another, so the memory at a start is the sum over the ops already run).
 
-ZB-V (``zbv``) is the paper's hand-made phase pattern (see :func:`zbv`) and V-Half a
-repeating block (see :func:`v_half`). ZB-H2 and V-Min run the scheduler with unit costs
-``F = I = W = 1``, no comm, and a memory cap that is the published memory of the
-schedule, in units of one stage's micro-batch activations:
-
-| name | layout | cap per rank | published claim (zero-bubble papers) |
-|---|---|---|---|
-| ``zbh2`` | chain, P stages | ``2P - 1`` (2x 1F1B) | zero bubble when F = I = W |
-| ``v-min`` | V, 2P stages | ``ceil(2P/3) + 1`` (about 1/3) | about a third of 1F1B's memory |
+ZB-V (``zbv``) is the paper's hand-made phase pattern (see :func:`zbv`). ZB-H2 runs the
+scheduler with unit costs ``F = I = W = 1``, no comm, and a memory cap of ``2P - 1``
+micro-batch activations per rank (2x 1F1B's ``P``), its published memory; the published
+claim is zero bubble when F = I = W.
 
 "Zero bubble" is about the steady state the papers measure: every rank busy from its
 first op to its last (:func:`span_bubble` = 0), with the first ops of the ranks offset by
@@ -304,12 +299,6 @@ def zbh2(num_ranks: int, num_microbatches: int) -> Schedule:
     return _named("zbh2", Layout.chain(range(p), m, num_ranks=p), 2 * p - 1)
 
 
-def _v(name: str, num_ranks: int, num_microbatches: int, cap) -> Schedule:
-    p = _check_int("num_ranks", num_ranks, 1)
-    m = _check_int("num_microbatches", num_microbatches, 1)
-    return _named(name, Layout.v_shape(p, m), cap(p))
-
-
 def zbv(num_ranks: int, num_microbatches: int) -> Schedule:
     """ZB-V, the zero-bubble paper's hand-made V schedule (arXiv 2401.10241, section 6).
 
@@ -367,46 +356,3 @@ def zbv(num_ranks: int, num_microbatches: int) -> Schedule:
         emit(*[("W", down)] * (count[("I", down)] - count[("W", down)]))
         programs.append(tuple(prog))
     return Schedule("zbv", Layout.v_shape(p, m), tuple(programs))
-
-
-def v_half(num_ranks: int, num_microbatches: int) -> Schedule:
-    """V-Half, as a repeating building block (the controllable-memory paper's idea): with
-    unit costs every rank runs one micro-batch's six ops (F, I, W of its two stages) per
-    6 time slots. Micro-batch 0's ops get the earliest slot after their dependency whose
-    residue mod 6 is still free on their rank (forwards down and up the V, then the
-    input-grads back, then each W after its I); micro-batch ``j`` runs ``6j`` slots later.
-    The op order is the slot order (the simulator squeezes the empty slots). Each stage
-    activation lives about ``lifetime / 6`` micro-batches, about half of 1F1B's memory."""
-    p = _check_int("num_ranks", num_ranks, 1)
-    m = _check_int("num_microbatches", num_microbatches, 1)
-    layout = Layout.v_shape(p, m)
-    used: list[set] = [set() for _ in range(p)]
-    slot: dict = {}
-
-    def place(kind: str, stage: int, earliest: int) -> int:
-        r = layout.stage_rank[stage]
-        t = earliest
-        while t % 6 in used[r]:
-            t += 1
-        used[r].add(t % 6)
-        slot[(kind, stage)] = t
-        return t
-
-    t = -1
-    for s in range(2 * p):
-        t = place("F", s, t + 1)
-    for s in reversed(range(2 * p)):
-        t = place("I", s, t + 1)
-    for s in reversed(range(2 * p)):
-        place("W", s, slot[("I", s)] + 1)
-    per_rank: list[list] = [[] for _ in range(p)]
-    for (kind, s), t0 in slot.items():
-        per_rank[layout.stage_rank[s]].extend((t0 + 6 * j, Op(kind, s, j)) for j in range(m))
-    ops = tuple(tuple(op for _, op in sorted(row, key=lambda x: x[0])) for row in per_rank)
-    return Schedule("v-half", layout, ops)
-
-
-def v_min(num_ranks: int, num_microbatches: int) -> Schedule:
-    """V-Min: the V layout capped at ``ceil(2P/3) + 1`` stage activations per rank, about
-    a third of 1F1B's."""
-    return _v("v-min", num_ranks, num_microbatches, lambda p: math.ceil(2 * p / 3) + 1)
