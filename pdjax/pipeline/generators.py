@@ -1,8 +1,9 @@
 """Schedule generators and the ``build(name, ...)`` entry point.
 
 Names: ``gpipe``, ``1f1b``, ``interleaved-1f1b`` (``num_stages_per_rank=v``), ``zb1p``
-(ZB-H1), ``dualpipe``, ``dualpipev``, and the zero-bubble family of :mod:`.greedy`:
-``zbh2`` (ZB-H2), ``zbv`` (ZB-V), ``v-half``, ``v-min``. Stage ``s`` of a one-stage-per-rank schedule
+(ZB-H1), ``dualpipe``, ``dualpipev``, the zero-bubble family of :mod:`.greedy`
+(``zbh2``, ZB-H2; ``zbv``, ZB-V) and the building-block schedules of :mod:`.vblock`
+(``v-half``, ``v-min``). Stage ``s`` of a one-stage-per-rank schedule
 lives on rank ``s``; interleaved stage ``k*P + r`` is rank ``r``'s ``k``-th chunk.
 """
 

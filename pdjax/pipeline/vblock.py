@@ -36,8 +36,8 @@ Published claims (``F = I = W``), checked by ``tests/pipeline/test_pipeline_zero
 peak ``(P + 4) // 3`` (V-Min) and ``(P + 2) // 2`` (V-Half) micro-batches of one rank's
 layers, against 1F1B's ``P``; bubble about ``2/3`` and ``1/2`` of 1F1B's. V-Half keeps its
 steady state bubble-free exactly when ``W + 2I >= 2F`` and ``W + 2F >= 2I`` (the paper's
-condition, with its B our I); V-Min only near ``F = I = W`` (otherwise its bubble grows
-with ``m``).
+condition, with its B our I); V-Min's bubble grows with ``m`` at many unbalanced ratios
+(e.g. ``F:I:W = 1.5:1:1``, where V-Half's does not).
 """
 
 from __future__ import annotations
