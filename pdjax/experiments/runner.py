@@ -47,6 +47,7 @@ EXPERIMENTS: dict[str, Experiment] = {
     "pd_vs_colocated": Experiment("pdjax.experiments.pd_vs_colocated", "CONFIG", "run_pd_vs_colocated"),
     "afd_ratio": Experiment("pdjax.experiments.afd_ratio", "CONFIG", "run_afd_ratio", "check"),
     "executed_bubbles": Experiment("pdjax.experiments.executed_result", "CONFIG", "run", "check"),
+    "schedule_search": Experiment("pdjax.experiments.schedule_search", "Config", "run", "check"),
     # serving simulation (pdjax.sim)
     "colocated_vs_pd": Experiment(_SERVING, "ColocatedVsPDConfig", "run_colocated_vs_pd"),
     "pd_ratio_sweep": Experiment(_SERVING, "PDRatioSweepConfig", "run_pd_ratio_sweep"),

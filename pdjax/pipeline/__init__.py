@@ -16,6 +16,10 @@ from .engine import DeadlockError
 from .formulas import (bubble_formula, bubble_ratio_1f1b, dualpipe_bubble, dualpipe_makespan,
                        formula_conditions, memory_table, min_microbatches_1f1b)
 from .generators import GENERATORS, build, gpipe, interleaved_1f1b, one_f_one_b, zb1p
+from .greedy import Policy, greedy_schedule, span_bubble, zbh2, zbv
+from .vblock import building_block, v_half, v_min
+from .bound import lower_bound
+from .search import Candidate, SearchResult, pareto, search
 from .layout import Layout, Pipeline
 from .ops import FB, AnyOp, B, F, I, Op, OverlapFB, W, parse_op
 from .report import ReportRow, compare, compare_one, format_report
@@ -59,4 +63,6 @@ __all__ = [
     "format_report", "formula_conditions", "gpipe", "interleaved_1f1b", "memory_table",
     "min_microbatches_1f1b", "one_f_one_b", "parse_op", "plot", "run_bubble_sweep", "simulate",
     "measured_timeline", "stage_costs", "validate", "zb1p",
+    "Candidate", "Policy", "SearchResult", "greedy_schedule", "lower_bound", "pareto", "search",
+    "building_block", "span_bubble", "v_half", "v_min", "zbh2", "zbv",
 ]

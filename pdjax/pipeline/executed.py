@@ -35,6 +35,7 @@ import numpy as np
 from .formulas import bubble_formula, formula_conditions
 from .generators import build
 from .measured import op_costs_from_timeline
+from .schedule import Schedule
 from .simulate import simulate
 
 COLUMNS = ("schedule", "P", "ranks", "microbatches", "batch", "seq_len", "measured_makespan_ms",
@@ -106,11 +107,13 @@ def _positive_int(name: str, value) -> int:
     return int(value)
 
 
-def measure_schedule(name: str, cfg, *, num_ranks: int = 2, num_microbatches: int = 8,
+def measure_schedule(name, cfg, *, num_ranks: int = 2, num_microbatches: int = 8,
                      batch_shape=(16, 32), params=None, tokens=None, devices=None, repeats: int = 3,
                      op_repeats: int = 3, seed: int = 0, layers_per_stage=None, processes: bool = False,
                      cores=None) -> ExecutedRow:
     """Build, compile and measure schedule ``name`` of model ``cfg`` (see the module docstring).
+    ``name`` may also be a :class:`~pdjax.pipeline.Schedule` (e.g. from ``search``); then
+    ``num_ranks`` and ``num_microbatches`` are the schedule's.
 
     ``batch_shape``: ``(B, T)`` of the random token batch (``B`` sequences, split into
     ``num_microbatches``), ignored when ``tokens`` are given. ``params``: the model's params
@@ -124,8 +127,11 @@ def measure_schedule(name: str, cfg, *, num_ranks: int = 2, num_microbatches: in
     from pdjax.model.transformer import init_params
     from pdjax.pipeline.executor import Executor
 
-    num_ranks = _positive_int("num_ranks", num_ranks)
-    schedule = build(name, num_ranks, _positive_int("num_microbatches", num_microbatches))
+    if isinstance(name, Schedule):
+        schedule, num_ranks = name, name.num_ranks
+    else:
+        num_ranks = _positive_int("num_ranks", num_ranks)
+        schedule = build(name, num_ranks, _positive_int("num_microbatches", num_microbatches))
     if params is None:
         params = init_params(cfg, jax.random.key(seed))
     if tokens is None:
@@ -204,9 +210,9 @@ def formula_bubble(name: str, num_stages: int, costs: dict, mean_busy: float) ->
     ``bubble / (bubble + mean_busy)``, and whether the formula is exact for these costs."""
     mean = {k: float(np.mean(costs[k])) for k in ("F", "B", "W", "FB")}
     dual = name in ("dualpipe", "dualpipev")
-    applies, note = formula_conditions(name, F=costs["F"], B=costs["B"], W=costs["W"],
-                                       FB=costs["FB"] if dual else None)
     try:
+        applies, note = formula_conditions(name, F=costs["F"], B=costs["B"], W=costs["W"],
+                                           FB=costs["FB"] if dual else None)
         bubble = float(bubble_formula(name, num_stages, F=mean["F"], B=mean["B"], W=mean["W"],
                                       FB=mean["FB"] if dual else None))
     except ValueError as err:

@@ -1,7 +1,9 @@
 """Schedule generators and the ``build(name, ...)`` entry point.
 
 Names: ``gpipe``, ``1f1b``, ``interleaved-1f1b`` (``num_stages_per_rank=v``), ``zb1p``
-(ZB-H1), ``dualpipe``, ``dualpipev``. Stage ``s`` of a one-stage-per-rank schedule
+(ZB-H1), ``dualpipe``, ``dualpipev``, the zero-bubble family of :mod:`.greedy`
+(``zbh2``, ZB-H2; ``zbv``, ZB-V) and the building-block schedules of :mod:`.vblock`
+(``v-half``, ``v-min``). Stage ``s`` of a one-stage-per-rank schedule
 lives on rank ``s``; interleaved stage ``k*P + r`` is rank ``r``'s ``k``-th chunk.
 """
 
@@ -10,6 +12,8 @@ from __future__ import annotations
 from collections import deque
 
 from .dualpipe import _check_int, dualpipe, dualpipev
+from .greedy import zbh2, zbv
+from .vblock import v_half, v_min
 from .layout import Layout
 from .ops import Op
 from .schedule import Schedule
@@ -121,6 +125,10 @@ GENERATORS = {
     "zb1p": zb1p,
     "dualpipe": dualpipe,
     "dualpipev": dualpipev,
+    "zbh2": zbh2,
+    "zbv": zbv,
+    "v-half": v_half,
+    "v-min": v_min,
 }
 
 

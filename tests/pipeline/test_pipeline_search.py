@@ -1,0 +1,135 @@
+"""pdjax.pipeline.search: budget, monotonicity, dominance over the hand-written schedules,
+the MILP against brute-force enumeration, the lower bound, and bad input."""
+
+import itertools
+import time
+
+import numpy as np
+import pytest
+
+import pdjax.pipeline as pp
+from pdjax.pipeline.bound import lower_bound
+from pdjax.pipeline.greedy import greedy_schedule
+from pdjax.pipeline.layout import Layout
+from pdjax.pipeline.milp import milp_schedule
+from pdjax.pipeline.ops import Op
+from pdjax.pipeline.schedule import Schedule
+from pdjax.pipeline.search import search
+
+COSTS = dict(F=1.0, B=2.0, W=1.0, comm=0.1)
+
+
+def _orders(stage: int, m: int):
+    """Every op order of one stage: per kind in micro-batch order, F_j < I_j < W_j."""
+    def rec(nf, ni, nw, acc):
+        if nw == m:
+            yield tuple(acc)
+            return
+        if nf < m:
+            yield from rec(nf + 1, ni, nw, acc + [Op("F", stage, nf)])
+        if ni < nf:
+            yield from rec(nf, ni + 1, nw, acc + [Op("I", stage, ni)])
+        if nw < ni:
+            yield from rec(nf, ni, nw + 1, acc + [Op("W", stage, nw)])
+    return list(rec(0, 0, 0, []))
+
+
+def _brute_force(p, m, cap, F, B, W, comm):
+    layout = Layout.chain(range(p), m, num_ranks=p)
+    best = np.inf
+    for combo in itertools.product(*[_orders(r, m) for r in range(p)]):
+        try:
+            t = pp.simulate(Schedule("bf", layout, combo), F=F, B=B, W=W, comm=comm)
+        except pp.DeadlockError:
+            continue
+        if t.peak_memory.max() <= cap + 1e-9:
+            best = min(best, t.makespan)
+    return best
+
+
+@pytest.mark.parametrize("p,m,cap", [(2, 2, 1), (2, 2, 2), (2, 3, 2), (3, 2, 1), (3, 2, 2)])
+def test_milp_optimum_equals_brute_force(p, m, cap):
+    layout = Layout.chain(range(p), m, num_ranks=p)
+    costs = pp.stage_costs(p, **COSTS)
+    sched, status, obj, _ = milp_schedule(layout, costs, cap=cap, time_limit_s=10)
+    assert status == "optimal"
+    ref = _brute_force(p, m, cap, **COSTS)
+    assert obj == pytest.approx(ref, abs=1e-6)
+    t = pp.simulate(sched, **COSTS)
+    assert t.makespan == pytest.approx(ref, abs=1e-6) and t.peak_memory.max() <= cap
+    assert lower_bound(layout, costs) <= ref + 1e-9
+
+
+@pytest.mark.parametrize("budget", [1.0, 2.0, 3.5])
+def test_returned_schedule_validates_fits_and_simulates(budget):
+    res = search(3, 4, **COSTS, memory_budget=budget, time_limit_s=2)
+    res.schedule.validate()
+    assert res.timeline.peak_memory.max() <= budget + 1e-9
+    scale = 0.5 if res.schedule.layout == Layout.v_shape(3, 4) else 1.0   # a V stage holds half a rank
+    t = pp.simulate(res.schedule, F=COSTS["F"] * scale, B=COSTS["B"] * scale, W=COSTS["W"] * scale,
+                    comm=COSTS["comm"], memory={"F": scale})
+    assert t.makespan == pytest.approx(res.makespan)
+    assert t.peak_memory.max() == pytest.approx(res.timeline.peak_memory.max())
+    assert res.lower_bound <= res.makespan + 1e-9
+    assert all(res.lower_bound <= c.makespan + 1e-9 for c in res.candidates)
+
+
+def test_larger_budget_never_longer_and_dominates_hand_written():
+    costs = dict(F=1.0, B=2.0, W=1.0, comm=0.05, FB=2.5)
+    runs = [search(2, 4, **costs, memory_budget=b, milp_max_ops=0) for b in (1, 1.5, 2, 3, 4)]
+    assert all(r.complete for r in runs)
+    spans = [r.makespan for r in runs]
+    assert all(a >= b - 1e-9 for a, b in zip(spans, spans[1:]))
+    p, m = 4, 8
+    hand = {n: pp.simulate(pp.build(n, p, m), **costs) for n in ("1f1b", "zb1p", "dualpipe")}
+    peak_1f1b = hand["1f1b"].peak_memory.max()
+    res = search(p, m, **costs, memory_budget=peak_1f1b, milp_max_ops=0)
+    assert res.makespan <= min(hand["1f1b"].makespan, hand["zb1p"].makespan) + 1e-9
+    res = search(p, m, **costs, memory_budget=hand["dualpipe"].peak_memory.max(), milp_max_ops=0)
+    assert res.makespan <= hand["dualpipe"].makespan + 1e-9
+
+
+def test_time_limit_bounds_the_whole_search():
+    """8 x 32: the whole greedy pool takes seconds; with a 0.1 s limit the search stops
+    early, says so, and still returns a valid schedule within the budget."""
+    t0 = time.perf_counter()
+    res = search(8, 32, F=1.0, B=2.0, W=1.0, memory_budget=8, families=("zb", "v"), time_limit_s=0.1)
+    elapsed = time.perf_counter() - t0
+    assert not res.complete and elapsed < 0.1 + 3.0   # 3 s: lower bound, hand-written, final simulate
+    res.schedule.validate()
+    assert res.timeline.peak_memory.max() <= 8 + 1e-9
+    assert res.makespan <= pp.simulate(pp.build("1f1b", 8, 32), F=1.0, B=2.0, W=1.0).makespan + 1e-9
+
+
+@pytest.mark.parametrize("layout", [Layout.chain(range(4), 8, num_ranks=4), Layout.v_shape(4, 8)])
+def test_a_cap_that_refused_nothing_builds_the_same_schedule_at_any_larger_cap(layout):
+    """What lets search() skip the larger caps of a policy."""
+    seen = 0
+    for cap in range(2, 18):
+        s = greedy_schedule(layout, F=1.0, I=1.0, W=1.0, comm=0.1, cap=cap)
+        if s is not None and not s.option("cap_binding"):
+            seen += 1
+            for larger in (cap + 1, cap + 5, np.inf):
+                assert greedy_schedule(layout, F=1.0, I=1.0, W=1.0, comm=0.1, cap=larger).ops == s.ops
+    assert seen   # some cap in the range was not binding
+
+
+def test_frontier_is_pareto():
+    res = search(3, 4, **COSTS, time_limit_s=2)
+    mems, spans = zip(*res.frontier)
+    assert list(mems) == sorted(mems) and all(a > b for a, b in zip(spans, spans[1:]))
+    for c in res.candidates:   # no candidate beats a frontier point at its memory
+        assert any(mem <= c.peak_memory + 1e-9 and mk <= c.makespan + 1e-9 for mem, mk in res.frontier)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(memory_budget=0.5), "below one micro-batch"),
+    (dict(F=-1.0), "F must be finite and >= 0"),
+    (dict(W=3.0), "must not exceed B"),
+    (dict(families=("zz",)), "families"),
+    (dict(memory={"G": 1}), "unknown memory key"),
+])
+def test_bad_input(kwargs, match):
+    base = dict(F=1.0, B=2.0, W=1.0)
+    with pytest.raises(ValueError, match=match):
+        search(2, 2, **{**base, **kwargs})
