@@ -70,8 +70,11 @@ def is_stacked(params) -> bool:
 # ---- params: stack, unstack, check ----------------------------------------------------------
 
 def stack_layers(params: dict, cfg: ModelConfig) -> dict:
-    """Per-layer params -> the stacked form (a copy of the layer weights; the other entries are
-    shared). Raises ValueError when the layers disagree with ``cfg`` (count or kind)."""
+    """Per-layer params -> the stacked form: each run of same-kind layers (dense, MoE) one layer
+    dict with a leading layer axis, run as one ``lax.scan`` (compile time independent of depth).
+
+    The layer weights are copied; the other entries are shared. Raises ValueError when the
+    layers disagree with ``cfg`` (count or kind)."""
     if not isinstance(cfg, ModelConfig):
         raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
     if is_stacked(params):
