@@ -134,6 +134,8 @@ def test_bad_combinations_raise_before_compute(params, stacked, cfg):
         pdjax.forward(stacked, cfg.replace(first_k_dense_replace=2), toks)
     with pytest.raises(ValueError, match="layer runs"):
         pdjax.forward(stacked, cfg.replace(n_routed_experts=0), toks)
+    with pytest.raises(ValueError, match="mesh= takes per-layer params"):
+        pdjax.forward(stacked, cfg, toks, mesh=jax.make_mesh((8,), ("expert",)))
     with pytest.raises(ValueError, match="already stacked"):
         stack_layers(stacked, cfg)
     with pytest.raises(ValueError, match="layer 1 is MoE in params but dense"):
