@@ -29,6 +29,7 @@ _LAZY = {
     "save_params": "pdjax.model.hf",
     "decode_step": "pdjax.api", "forward": "pdjax.api", "generate": "pdjax.api", "prefill": "pdjax.api",
     "init_params": "pdjax.model.transformer",
+    "stack_layers": "pdjax.model.layer_scan", "unstack_layers": "pdjax.model.layer_scan",
 }
 
 
@@ -49,4 +50,5 @@ def __dir__():
 __all__ = [
     "ModelConfig", "RopeScaling", "KVCache", "configs", "decode_step", "forward", "generate",
     "init_cache", "init_params", "load_hf", "prefill", "restore_params", "save_hf", "save_params",
+    "stack_layers", "unstack_layers",
 ]

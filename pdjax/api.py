@@ -14,6 +14,9 @@ from pdjax.parallel.mesh import ShardingRules, batch_sharding, check_batch, shar
 
 def _on_mesh(params, cfg, mesh, batch: int, capacity_factor, rules, overlap, dispatch="auto"):
     """(params placed on the mesh, EP MoE implementation, batch sharding)."""
+    if "layers" not in params:
+        raise ValueError("mesh= takes per-layer params (params['layers']); stacked params "
+                         "(pdjax.stack_layers) run on one device: pdjax.unstack_layers first")
     rules = rules or ShardingRules.default(mesh)
     rules.check(mesh)
     check_batch(mesh, batch, rules)

@@ -8,6 +8,10 @@ Params are a plain dict pytree::
                 | "moe": {router [D,E], (router_bias [E]), w_gate [E,D,F], w_up [E,D,F],
                           w_down [E,F,D], (shared: {w_gate, w_up, w_down})}}, ...]}
 
+or, opt-in, stacked per run of same-kind layers (``"layer_runs"`` in place of ``"layers"``,
+:mod:`pdjax.model.layer_scan`): each run is one ``lax.scan``, so compile time stops growing
+with depth; its cache is a ``StackedKVCache``.
+
 Precision (``ModelConfig.param_dtype / compute_dtype / cache_dtype``): params are stored in
 their own dtype (``router_bias`` always float32); the embedding output is cast to the
 compute dtype, every layer runs its activations (the residual stream) in it, and each weight
@@ -34,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pdjax.config import PARAM_DTYPES, ModelConfig, dtype_name
-from pdjax.model import mla
+from pdjax.model import layer_scan, mla
 from pdjax.model import moe as moe_lib
 from pdjax.model.cache import KVCache, host_lengths, remember_lengths, to_cache_dtype, write_rows
 from pdjax.model.initializers import scaled_normal
@@ -171,8 +175,16 @@ def run_layers(params, cfg, x_BTD, q_pos_BT, kv_layers=None, start_B=None, absor
                moe_impl=None, valid_BT=None):
     """All decoder layers. Returns (x, per-layer kv: the new latents without a cache, the
     updated layer caches with one). A MoE implementation with its own ``run_layers`` (e.g.
-    dual-batch overlap, which interleaves two micro-batches) takes over the loop."""
+    dual-batch overlap, which interleaves two micro-batches) takes over the loop. Stacked
+    params (:func:`pdjax.model.layer_scan.stack_layers`) run as one ``lax.scan`` per layer run,
+    and their kv is per run (:func:`pdjax.model.layer_scan.run_layers`)."""
     x_BTD = x_BTD.astype(cfg.compute_dtype)
+    if layer_scan.is_stacked(params):
+        if hasattr(moe_impl, "run_layers"):
+            raise ValueError(f"{type(moe_impl).__name__} runs its own layer loop over per-layer params; "
+                             "stacked params (layer_runs) cannot use it: unstack_layers first")
+        return layer_scan.run_layers(layer, params, cfg, x_BTD, q_pos_BT, kv_layers, start_B, absorbed,
+                                     moe_impl, valid_BT)
     if hasattr(moe_impl, "run_layers"):
         return moe_impl.run_layers(params, cfg, x_BTD, q_pos_BT, kv_layers, start_B, absorbed, valid_BT)
     new_kv = []
@@ -235,6 +247,8 @@ def _prefill_fresh(params, cfg, tokens_BT, lengths_B, max_len, absorbed=False, m
     q_pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     x, new_kv = run_layers(params, cfg, embed(params, tokens_BT, cfg), q_pos, None, None, absorbed, moe_impl,
                            _valid(T, lengths_B))
+    if layer_scan.is_stacked(params):
+        return head(params, cfg, x), layer_scan.fresh_cache(new_kv, lengths_B, max_len, cfg)
     kv = tuple(jnp.pad(to_cache_dtype(k, cfg.kv_cache_dtype), ((0, 0), (0, max_len - T), (0, 0)))
                for k in new_kv)
     return head(params, cfg, x), KVCache(kv=kv, lengths=lengths_B.astype(jnp.int32))
@@ -298,6 +312,25 @@ def check_tokens(cfg: ModelConfig, tokens, ndim: int, name: str = "tokens"):
     return jnp.asarray(arr, jnp.int32)
 
 
+def check_layers(params, cfg: ModelConfig, cache=None, moe_impl=None) -> None:
+    """Host-side: the params' layer form (per-layer or stacked per run, see
+    :mod:`pdjax.model.layer_scan`) agrees with ``cfg``, the cache's form and ``moe_impl``."""
+    if not layer_scan.is_stacked(params):
+        if isinstance(cache, layer_scan.StackedKVCache):
+            raise ValueError("a StackedKVCache needs stacked params (pdjax.stack_layers); "
+                             "per-layer params take a KVCache (StackedKVCache.unstacked())")
+        return
+    layer_scan.check_stacked(params, cfg)
+    if cache is not None and not isinstance(cache, layer_scan.StackedKVCache):
+        raise ValueError(f"stacked params need a StackedKVCache, got {type(cache).__name__} "
+                         "(pdjax.model.layer_scan.stack_cache converts a KVCache)")
+    if cache is not None and cache.num_layers != cfg.num_hidden_layers:
+        raise ValueError(f"cache holds {cache.num_layers} layers, cfg.num_hidden_layers={cfg.num_hidden_layers}")
+    if hasattr(moe_impl, "run_layers"):
+        raise ValueError(f"moe_impl {type(moe_impl).__name__} runs its own layer loop over per-layer "
+                         "params; stacked params cannot use it (unstack_layers first)")
+
+
 # ---- public API ----------------------------------------------------------------------------
 
 def _place(x, batch_sharding):
@@ -328,6 +361,7 @@ def forward(params, cfg: ModelConfig, tokens, *, moe_impl=None, batch_sharding=N
     ``return_stats``: also return {"dropped_per_moe_layer": [moe layers]}.
     """
     tokens = check_tokens(cfg, tokens, 2)
+    check_layers(params, cfg, None, moe_impl)
     if not _is_tracer(tokens) and tokens.shape[1] > cfg.max_position_embeddings:
         raise ValueError(f"sequence length {tokens.shape[1]} exceeds "
                          f"max_position_embeddings={cfg.max_position_embeddings}")
@@ -364,6 +398,7 @@ def prefill(params, cfg: ModelConfig, tokens, *, max_len: int | None = None,
     Returns (logits [B,T,V] float32, cache).
     """
     tokens = check_tokens(cfg, tokens, 2)
+    check_layers(params, cfg, cache, moe_impl)
     B, T = tokens.shape
     fresh = cache is None
     if fresh:
@@ -403,6 +438,7 @@ def decode_step(params, cfg: ModelConfig, next_tokens, cache: KVCache, *, moe_im
     host recorded for caches made by init_cache / prefill / decode_step; a cache whose device
     lengths were made elsewhere is checked for shape only."""
     next_tokens = check_tokens(cfg, next_tokens, 1, "next_tokens")
+    check_layers(params, cfg, cache, moe_impl)
     if next_tokens.shape[0] != cache.batch:
         raise ValueError(f"next_tokens batch {next_tokens.shape[0]} does not match cache batch {cache.batch}")
     start = host_lengths(cache.lengths)
@@ -443,6 +479,7 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int, max_len:
     """
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    check_layers(params, cfg, None, moe_impl)
     tokens, lengths, ragged = _pad_prompts(cfg, prompts)
     need = int(lengths.max()) + max_new_tokens
     max_len = need if max_len is None else max_len
