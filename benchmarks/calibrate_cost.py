@@ -10,7 +10,8 @@ timed (block_until_ready), compilation and warm-up excluded, repeats interleaved
 shapes in shuffled rounds. The same measurements are fitted four ways: the source
 articles' three-term form and with a constant d, each on the median and on the min of the
 repeats.
-Column "MoE C": rows per expert of the bucketed MoE (the CPU default), ceil(1.25 * 2q / 16).
+Column "MoE C": base rows per expert of the bucketed MoE (the CPU default), ceil(1.125 * 2q / 16)
+(:func:`pdjax.model.moe.bucket_layout`; chunks of <= 16 tokens run through every expert).
 
 Decode protocol (pdjax.analysis.calibrate_decode): B requests of L cached tokens each in a
 cache of exactly L + 1 positions (filled by a real prefill of L_max tokens, first L kept;
@@ -48,8 +49,8 @@ DECODE_DISTINCT_ROWS = 8
 
 
 def moe_rows(cfg, q: int) -> int:
-    """Rows per expert C of the bucketed MoE for a chunk of q tokens (batch 1)."""
-    return moe_lib.bucket_rows(q * cfg.num_experts_per_tok, cfg.n_routed_experts)
+    """Base rows per expert C of the bucketed MoE for a chunk of q tokens (batch 1)."""
+    return moe_lib.bucket_layout(q * cfg.num_experts_per_tok, cfg.n_routed_experts)[0]
 
 
 def prefill_report(params, cfg, repeats: int, seed: int) -> None:

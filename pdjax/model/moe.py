@@ -3,18 +3,22 @@
 Einsum legend: N tokens, D hidden, E routed experts, F expert intermediate size,
 k experts per token, A = N*k assignments, G tiles, T rows per tile.
 
-Dispatch sorts the A (token, expert) assignments by expert. Three exact back ends compute the
-experts over the sorted rows:
-  * ``"bucketed"`` (XLA:CPU default): rows into an [E, C, D] buffer, C = ceil(1.25 A/E), one
-    batched GEMM against the weights as stored; ``lax.cond`` falls back to 2C, then to tiled,
-    when an expert gets more rows;
+Dispatch sorts the A (token, expert) assignments by expert (:class:`SortedRows`: one sort of
+packed keys) and lays them into slots by gathering (slot -> row for the inputs, row -> slot for
+the outputs; XLA:CPU runs scatters as serial loops). Three exact back ends:
+  * ``"bucketed"`` (XLA:CPU default): base buckets [E, C, D], C = ceil(1.125 A/E), run as one
+    batched GEMM against the weights as stored, plus H = ceil(E/4) overflow buckets of
+    C2 = ceil(A/(8H)) rows for the most loaded experts (their weights gathered): <= 1.25 A + E + H
+    rows in all. ``lax.cond`` runs the tiled path instead when more than H experts exceed C or
+    one exceeds C + C2. Up to FEW_TOKENS tokens (decode) skip the sort: every token through
+    every expert when N*k >= E, else a loop over the experts in use, each read once in place;
   * ``"tiled"``: each expert's rows are padded to a multiple of a tile of T rows, every tile
     belongs to one expert, and tiles run as a batched GEMM against their expert's weights.
     Padding is at most T-1 rows per non-empty expert, chosen so the FLOP overhead is
     <= 12.5 % of the ideal;
   * ``"ragged"``: ``jax.lax.ragged_dot`` grouped GEMM (GPU/TPU; XLA:CPU lowers it to a dense
     dot over every expert, so it is not used there by default).
-Nothing is ever dropped.
+Nothing is ever dropped, and a token's output only ever adds the experts it chose.
 
 Precision: the router logits and scores are float32 (tokens and router weight upcast), the
 experts run in the tokens' dtype (the compute dtype; weights are cast to it) and their outputs
@@ -151,64 +155,171 @@ def sort_assignments(idx_Nk, num_experts):
     return order, flat[order], counts
 
 
-def _experts_tiled(x_AD, sorted_e, counts, w_gate, w_up, w_down):
-    A, D = x_AD.shape
+# ---- the sorted-rows plan the gather-based back ends share ---------------------------------
+#
+# R rows (the A = N*k assignments, or the rows of an expert-parallel receive buffer), each for
+# one expert or for none (expert id E: an empty row). The rows are sorted by expert once; a back
+# end then lays them into its slots (buckets or tiles) *by gathering*: slot -> row for the
+# inputs, row -> slot for the outputs. Row r reads source row r // k of x (k = 1: the rows
+# themselves), so the [A, D] copy of the assignments is never made. XLA:CPU runs a scatter as
+# a serial loop, so the only scatter left is of R int32 positions.
+
+class SortedRows:
+    """Rows sorted by expert. ``sorted_row`` [R] (the row at each sorted position), ``start``
+    [E] (first sorted position of expert e), ``counts`` [E], ``rank`` [R] (each row's place
+    among its expert's rows, stable; meaningless for empty rows), ``expert`` [R] (E: empty)."""
+
+    def __init__(self, expert_R, num_experts: int):
+        R, E = expert_R.shape[0], num_experts
+        expert_R = expert_R.astype(jnp.int32)
+        iota = jnp.arange(R, dtype=jnp.int32)
+        if (E + 1) * R < 2 ** 31:   # one single-operand sort of packed (expert, row) keys
+            packed = jax.lax.sort(expert_R * R + iota)
+            sorted_e, sorted_row = packed // R, packed % R
+        else:
+            sorted_e, sorted_row = jax.lax.sort((expert_R, iota), num_keys=1)
+        bounds = jnp.searchsorted(sorted_e, jnp.arange(E + 1, dtype=jnp.int32), side="left",
+                                  method="compare_all" if R * (E + 1) <= 2 ** 20 else "scan").astype(jnp.int32)
+        self.R, self.E, self.expert, self.sorted_row = R, E, expert_R, sorted_row
+        self.start, self.counts = bounds[:E], bounds[1:] - bounds[:E]
+        position = jnp.zeros((R,), jnp.int32).at[sorted_row].set(iota, unique_indices=True)
+        self.rank = position - self.start[jnp.minimum(expert_R, E - 1)]
+        self.real = expert_R < E
+
+    def rows_in(self, expert_S, rank_S, used_S):
+        """The row each slot (expert, rank) holds; R where the slot is unused."""
+        pos = jnp.minimum(self.start[expert_S] + rank_S, self.R - 1)
+        return jnp.where(used_S, self.sorted_row[pos], self.R)
+
+
+def _gather(x_XD, index_S):
+    """x[index], rows past the end reading 0 (an empty slot or row)."""
+    return jnp.take(x_XD, index_S, axis=0, mode="fill", fill_value=0)
+
+
+def _swiglu_grouped(x_GTD, w_gate, w_up, w_down):
+    """[G,T,D] rows through G experts' weights [G,D,F], [G,D,F], [G,F,D]."""
+    h_GTF = jax.nn.silu(jnp.einsum("GTD,GDF->GTF", x_GTD, w_gate)) * jnp.einsum("GTD,GDF->GTF", x_GTD, w_up)
+    return jnp.einsum("GTF,GFD->GTD", h_GTF, w_down)
+
+
+def _tiled_rows(x_src, k, plan: SortedRows, w_gate, w_up, w_down):
+    """Each expert's rows padded to tiles of T rows (:func:`tile_rows`), one expert per tile,
+    the tiles one batched GEMM against their experts' weights (gathered per tile); a static
+    num_tiles(R, E, T) tiles fit any routing. Returns every row's output [R, D] (0: empty)."""
+    R, E, D = plan.R, plan.E, x_src.shape[1]
+    T = tile_rows(R, E)
+    G = num_tiles(R, E, T)
+    tiles_e = (plan.counts + T - 1) // T
+    tile_end = jnp.cumsum(tiles_e)
+    first_tile = tile_end - tiles_e
+    tile_expert = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(G), side="right"), E - 1).astype(jnp.int32)
+    expert_S = jnp.repeat(tile_expert, T)
+    rank_S = (jnp.arange(G * T, dtype=jnp.int32) - first_tile[expert_S] * T)
+    row_S = plan.rows_in(expert_S, rank_S, rank_S < plan.counts[expert_S])
+    x_GTD = _gather(x_src, row_S // k).reshape(G, T, D)
+    y_SD = _swiglu_grouped(x_GTD, w_gate[tile_expert], w_up[tile_expert], w_down[tile_expert]).reshape(G * T, D)
+    slot_R = jnp.where(plan.real, first_tile[jnp.minimum(plan.expert, E - 1)] * T + plan.rank, G * T)
+    return _gather(y_SD, slot_R)
+
+
+BASE_FACTOR = 1.125       # base bucket rows per expert, x the mean load A/E
+OVERFLOW_SHARE = 0.125    # overflow bucket rows, as a share of A, for the E/4 most loaded experts
+
+
+def bucket_layout(num_rows: int, num_experts: int) -> tuple[int, int, int]:
+    """(C, H, C2) of the bucketed back end for about ``num_rows`` real rows: C =
+    ceil(1.125 R/E) base rows for every expert and C2 = ceil(R/(8H)) overflow rows for each of
+    the H = ceil(E/4) most loaded experts: (E*C + H*C2) <= 1.25 R + E + H slots in all."""
+    E, R = num_experts, max(1, num_rows)
+    H = -(-E // 4)
+    return -(-int(R * BASE_FACTOR * 8) // (8 * E)), H, -(-int(R * OVERFLOW_SHARE * 8) // (8 * H))
+
+
+def bucket_fits(plan: SortedRows, C: int, H: int, C2: int):
+    """True when the routing fits the bucket layout: at most H experts hold more than C rows,
+    none more than C + C2."""
+    over = jnp.maximum(plan.counts - C, 0)
+    return (over > C2).sum() + ((over > 0).sum() > H) == 0
+
+
+def _bucketed_rows(x_src, k, plan: SortedRows, C, H, C2, w_gate, w_up, w_down):
+    """Base buckets [E, C, D] run as one batched GEMM against the weights as stored (each read
+    once, never copied); rows of an expert past C go to one of H overflow buckets [H, C2, D],
+    which run against the weights of the H most loaded experts (gathered: H of E copied).
+    Only valid when :func:`bucket_fits`. Returns every row's output [R, D] (0: empty)."""
+    E, D = plan.E, x_src.shape[1]
+    over = jnp.maximum(plan.counts - C, 0)
+    heavy = jax.lax.top_k(over, H)[1].astype(jnp.int32)                 # [H] most loaded experts
+
+    def inputs(expert_S, rank_S):    # each bucket gathered on its own: slicing one buffer copies
+        return _gather(x_src, plan.rows_in(expert_S, rank_S, rank_S < plan.counts[expert_S]) // k)
+
+    x_base = inputs(jnp.repeat(jnp.arange(E, dtype=jnp.int32), C), jnp.tile(jnp.arange(C, dtype=jnp.int32), E))
+    x_over = inputs(jnp.repeat(heavy, C2), C + jnp.tile(jnp.arange(C2, dtype=jnp.int32), H))
+    y_base = _swiglu_grouped(x_base.reshape(E, C, D), w_gate, w_up, w_down).reshape(E * C, D)
+    y_over = _swiglu_grouped(x_over.reshape(H, C2, D), w_gate[heavy], w_up[heavy],
+                             w_down[heavy]).reshape(H * C2, D)
+    e = jnp.minimum(plan.expert, E - 1)
+    bucket = jnp.zeros((E,), jnp.int32).at[heavy].set(jnp.arange(H, dtype=jnp.int32), unique_indices=True)
+    slot_R = jnp.where(plan.rank < C, e * C + plan.rank, E * C + bucket[e] * C2 + plan.rank - C)
+    slot_R = jnp.where(plan.real, slot_R, E * C + H * C2)
+    return _gather(jnp.concatenate([y_base, y_over]), slot_R)
+
+
+def _experts_in_use(x_ND, weights_Nk, idx_Nk, w_gate, w_up, w_down):
+    """A loop over the experts in use: each step reads one expert's weights in place (a dynamic
+    index, no copy) and runs every token through it; a token adds weights[n,j] * y where
+    idx[n,j] is that expert, nothing otherwise. For a few tokens (decode), where reading the
+    weights, not the FLOPs, sets the time, this reads only the experts some token chose, each
+    once. ``lax.scan`` over min(E, N*k) steps, those past the experts in use skipped by
+    ``lax.cond`` (so it differentiates). Summed in float32, in expert order. [N, D]."""
+    N, D = x_ND.shape
     E = w_gate.shape[0]
-    T = tile_rows(A, E)
-    G = num_tiles(A, E, T)
-    tiles_e = (counts + T - 1) // T
-    tile_end = jnp.cumsum(tiles_e)                      # [E] tiles up to and including e
-    row_start = (tile_end - tiles_e) * T                # first padded row of expert e
-    group_start = jnp.cumsum(counts) - counts           # first sorted row of expert e
-    dest = row_start[sorted_e] + jnp.arange(A, dtype=jnp.int32) - group_start[sorted_e]
-    x_rows = jnp.zeros((G * T, D), x_AD.dtype).at[dest].set(x_AD, unique_indices=True)
-    tile_expert = jnp.minimum(
-        jnp.searchsorted(tile_end, jnp.arange(G), side="right"), E - 1)
-    x_GTD = x_rows.reshape(G, T, D)
-    h_GTF = jax.nn.silu(jnp.einsum("GTD,GDF->GTF", x_GTD, w_gate[tile_expert])) * jnp.einsum(
-        "GTD,GDF->GTF", x_GTD, w_up[tile_expert])
-    y_GTD = jnp.einsum("GTF,GFD->GTD", h_GTF, w_down[tile_expert])
-    return y_GTD.reshape(G * T, D)[dest]
+    routed_EN = jnp.zeros((E, N), bool).at[idx_Nk, jnp.arange(N)[:, None]].set(True)
+    coef_EN = jnp.zeros((E, N), jnp.float32).at[idx_Nk, jnp.arange(N)[:, None]].set(weights_Nk)
+    in_use = routed_EN.any(1)
+    steps = min(E, idx_Nk.size)
+    experts = jnp.nonzero(in_use, size=steps, fill_value=0)[0].astype(jnp.int32)
+
+    def through(e):
+        wg, wu, wd = (jax.lax.dynamic_index_in_dim(w, e, keepdims=False) for w in (w_gate, w_up, w_down))
+        y_ND = (jax.nn.silu(x_ND @ wg) * (x_ND @ wu)) @ wd
+        with jax.named_scope(COMBINE_SCOPE):           # only tokens routed here add
+            return jnp.where(routed_EN[e][:, None], y_ND.astype(jnp.float32) * coef_EN[e][:, None], 0.0)
+
+    def step(acc_ND, i):
+        add = jax.lax.cond(i < in_use.sum(), through, lambda e: jnp.zeros((N, D), jnp.float32), experts[i])
+        with jax.named_scope(COMBINE_SCOPE):
+            return acc_ND + add, None
+
+    acc, _ = jax.lax.scan(step, jnp.zeros((N, D), jnp.float32), jnp.arange(steps))
+    return acc.astype(x_ND.dtype)
 
 
-BUCKET_FACTOR = 1.25
-
-
-def bucket_rows(num_assignments: int, num_experts: int) -> int:
-    """Rows per expert of the bucketed path: ceil(1.25 * A / E)."""
-    return max(1, -(-int(num_assignments * BUCKET_FACTOR) // num_experts))
-
-
-def _experts_bucketed(x_AD, sorted_e, counts, w_gate, w_up, w_down):
-    """Exact and dropless. When no expert has more than C = ceil(1.25 A/E) rows (then 2C),
-    the rows go to an [E, C, D] buffer and run as one batched GEMM against the expert
-    weights as stored (each weight read once, no per-tile copies); otherwise the tiled
-    path runs. ``lax.cond`` executes one branch."""
-    A, D = x_AD.shape
+def _every_expert(x_ND, idx_Nk, w_gate, w_up, w_down):
+    """Every token through every expert as one [E, N, D] batched GEMM against the weights as
+    stored, then each assignment's row picked: [N, k, D]. For a few tokens that between them
+    choose most experts (N*k >= E), where one read of all the weights is the cost."""
+    N, D = x_ND.shape
     E = w_gate.shape[0]
-    C = bucket_rows(A, E)
-    group_start = jnp.cumsum(counts) - counts
-    rank = jnp.arange(A, dtype=jnp.int32) - group_start[sorted_e]
-
-    def bucketed(C):
-        def run(_):
-            dest = sorted_e * C + rank
-            x_ECD = jnp.zeros((E * C, D), x_AD.dtype).at[dest].set(x_AD, unique_indices=True).reshape(E, C, D)
-            h_ECF = jax.nn.silu(jnp.einsum("ECD,EDF->ECF", x_ECD, w_gate)) * jnp.einsum(
-                "ECD,EDF->ECF", x_ECD, w_up)
-            return jnp.einsum("ECF,EFD->ECD", h_ECF, w_down).reshape(E * C, D)[dest]
-        return run
-
-    def tiled(_):
-        return _experts_tiled(x_AD, sorted_e, counts, w_gate, w_up, w_down)
-
-    busiest = counts.max()
-    return jax.lax.cond(busiest <= C, bucketed(C), lambda _: jax.lax.cond(
-        busiest <= 2 * C, bucketed(2 * C), tiled, None), None)
+    y_END = _swiglu_grouped(jnp.broadcast_to(x_ND, (E, N, D)), w_gate, w_up, w_down)
+    return y_END.reshape(E * N, D)[idx_Nk * N + jnp.arange(N, dtype=jnp.int32)[:, None]]
 
 
-def _experts_ragged(x_AD, sorted_e, counts, w_gate, w_up, w_down):
-    del sorted_e
+FEW_TOKENS = 16      # up to this many tokens, the bucketed back end skips the sort and buckets
+
+
+COMBINE_SCOPE = "expert_combine"     # jax.named_scope of the float32 weighted sum of expert outputs
+
+
+def _combine(y_NkD, weights_Nk, dtype):
+    """sum_j weights[n,j] * y[n,j] in float32 (one fused gather-multiply-sum), cast to dtype."""
+    with jax.named_scope(COMBINE_SCOPE):
+        return (y_NkD.astype(jnp.float32) * weights_Nk[:, :, None]).sum(1).astype(dtype)
+
+
+def _experts_ragged(x_AD, counts, w_gate, w_up, w_down):
     h = jax.nn.silu(jax.lax.ragged_dot(x_AD, w_gate, counts)) * jax.lax.ragged_dot(x_AD, w_up, counts)
     return jax.lax.ragged_dot(h, w_down, counts)
 
@@ -217,22 +328,41 @@ def default_impl() -> str:
     return "bucketed" if jax.default_backend() == "cpu" else "ragged"
 
 
+IMPLS = ("bucketed", "tiled", "ragged")
+
+
 def routed_experts(p, x_ND, weights_Nk, idx_Nk, impl: str | None = None):
-    """sum_j weights[n,j] * Expert_{idx[n,j]}(x[n]) for every token, exactly. [N,D]."""
+    """sum_j weights[n,j] * Expert_{idx[n,j]}(x[n]) for every token, exactly. [N,D].
+
+    ``"bucketed"``: up to FEW_TOKENS tokens (decode) run through every expert when they have
+    at least E assignments (:func:`_every_expert`), else loop over the experts in use
+    (:func:`_experts_in_use`); more tokens run in buckets (:func:`bucket_layout`) when the
+    routing fits them, else tiled (``lax.cond``: one branch executes)."""
     impl = impl or default_impl()
+    if impl not in IMPLS:
+        raise ValueError(f"unknown MoE impl {impl!r}; use 'bucketed', 'tiled' or 'ragged'")
     N, D = x_ND.shape
     k = idx_Nk.shape[1]
     E = p["w_gate"].shape[0]
-    order, sorted_e, counts = sort_assignments(idx_Nk, E)
-    x_AD = x_ND[order // k]
-    fn = {"tiled": _experts_tiled, "bucketed": _experts_bucketed, "ragged": _experts_ragged}.get(impl)
-    if fn is None:
-        raise ValueError(f"unknown MoE impl {impl!r}; use 'bucketed', 'tiled' or 'ragged'")
-    w_experts = (p[name].astype(x_ND.dtype) for name in ("w_gate", "w_up", "w_down"))   # compute dtype
-    y_sorted = fn(x_AD, sorted_e, counts, *w_experts)
-    y_AD = jnp.zeros_like(y_sorted).at[order].set(y_sorted, unique_indices=True)
-    y_NkD = y_AD.reshape(N, k, D).astype(jnp.float32)
-    return jnp.einsum("NkD,Nk->ND", y_NkD, weights_Nk).astype(x_ND.dtype)
+    w = tuple(p[name].astype(x_ND.dtype) for name in ("w_gate", "w_up", "w_down"))   # compute dtype
+    if impl == "ragged":
+        order, _, counts = sort_assignments(idx_Nk, E)
+        y_sorted = _experts_ragged(x_ND[order // k], counts, *w)
+        y_NkD = jnp.zeros_like(y_sorted).at[order].set(y_sorted, unique_indices=True).reshape(N, k, D)
+    elif impl == "bucketed" and N <= FEW_TOKENS and N * k >= E:
+        y_NkD = _every_expert(x_ND, idx_Nk, *w)
+    elif impl == "bucketed" and N <= FEW_TOKENS:
+        return _experts_in_use(x_ND, weights_Nk, idx_Nk, *w)
+    else:
+        plan = SortedRows(idx_Nk.reshape(-1), E)
+        if impl == "tiled":
+            y_NkD = _tiled_rows(x_ND, k, plan, *w).reshape(N, k, D)
+        else:
+            C, H, C2 = bucket_layout(N * k, E)
+            y_NkD = jax.lax.cond(bucket_fits(plan, C, H, C2),
+                                 lambda: _bucketed_rows(x_ND, k, plan, C, H, C2, *w),
+                                 lambda: _tiled_rows(x_ND, k, plan, *w)).reshape(N, k, D)
+    return _combine(y_NkD, weights_Nk, x_ND.dtype)
 
 
 def experts_for_rows(p, rows_RD, ids_R, expected_rows: int, impl: str | None = None):
@@ -240,43 +370,26 @@ def experts_for_rows(p, rows_RD, ids_R, expected_rows: int, impl: str | None = N
     (output 0). For a buffer of R rows of which about ``expected_rows`` are real, e.g. an
     expert-parallel receive buffer sized for the worst case (R = X*C rows, ~n*k real).
 
-    The bucketed back end sizes its [E, C, D] buckets by ``expected_rows``, not R, and leaves
-    the empty rows out, so the work follows the real rows (C = ceil(1.25 expected / E), then
-    2C, then the tiled path over all R rows when an expert gets more): exact whatever the
-    routing. Other back ends run over all R rows, the empty ones weighted 0 and spread."""
+    The bucketed back end sizes its buckets by ``expected_rows``, not R (:func:`bucket_layout`),
+    and leaves the empty rows out, so the work follows the real rows; when the routing does not
+    fit them, the tiled path runs over the real rows (statically sized for all R): exact
+    whatever the routing. Other back ends run over all R rows, the empty ones weighted 0."""
     E = p["w_gate"].shape[0]
     impl = impl or default_impl()
-    p = {k: p[k].astype(rows_RD.dtype) for k in ("w_gate", "w_up", "w_down")}
+    if impl not in IMPLS:
+        raise ValueError(f"unknown MoE impl {impl!r}; use 'bucketed', 'tiled' or 'ragged'")
+    w = tuple(p[name].astype(rows_RD.dtype) for name in ("w_gate", "w_up", "w_down"))
     real = ids_R >= 0
-    weights, idx = mask_routing(jnp.ones((rows_RD.shape[0], 1), jnp.float32), ids_R[:, None], real, E)
-
-    def everything(_):
-        return routed_experts(p, rows_RD, weights, idx, "tiled" if impl == "bucketed" else impl)
-
-    if impl != "bucketed":
-        return everything(None)
-    key = jnp.where(real, ids_R, E)                        # empty rows sort last, counted nowhere
-    order = jnp.argsort(key, stable=True)
-    sorted_e = key[order]
-    counts = jnp.bincount(key, length=E).astype(jnp.int32)
-    x = rows_RD[order]
-    rank = jnp.arange(x.shape[0], dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[jnp.minimum(sorted_e, E - 1)]
-    C = bucket_rows(expected_rows, E)
-
-    def bucketed(C):
-        def run(_):
-            dest = jnp.where(sorted_e < E, sorted_e * C + rank, E * C)       # E*C: not computed
-            x_ECD = jnp.zeros((E * C, x.shape[1]), x.dtype).at[dest].set(x, mode="drop").reshape(E, C, -1)
-            h = jax.nn.silu(jnp.einsum("ECD,EDF->ECF", x_ECD, p["w_gate"])) * jnp.einsum(
-                "ECD,EDF->ECF", x_ECD, p["w_up"])
-            y_sorted = jnp.take(jnp.einsum("ECF,EFD->ECD", h, p["w_down"]).reshape(E * C, -1), dest, axis=0,
-                                mode="fill", fill_value=0)
-            return jnp.zeros_like(y_sorted).at[order].set(y_sorted, unique_indices=True).astype(rows_RD.dtype)
-        return run
-
-    busiest = counts.max()
-    return jax.lax.cond(busiest <= C, bucketed(C), lambda _: jax.lax.cond(
-        busiest <= 2 * C, bucketed(2 * C), everything, None), None)
+    if impl == "ragged":
+        weights, idx = mask_routing(jnp.ones((rows_RD.shape[0], 1), jnp.float32), ids_R[:, None], real, E)
+        return routed_experts(dict(zip(("w_gate", "w_up", "w_down"), w)), rows_RD, weights, idx, impl)
+    plan = SortedRows(jnp.where(real, ids_R, E), E)
+    if impl == "tiled":
+        return _tiled_rows(rows_RD, 1, plan, *w)
+    C, H, C2 = bucket_layout(expected_rows, E)
+    return jax.lax.cond(bucket_fits(plan, C, H, C2),
+                        lambda: _bucketed_rows(rows_RD, 1, plan, C, H, C2, *w),
+                        lambda: _tiled_rows(rows_RD, 1, plan, *w))
 
 
 def moe(p, cfg: ModelConfig, x_ND, impl=None, valid_N=None):

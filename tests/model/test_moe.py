@@ -122,6 +122,82 @@ def test_tiled_dispatch_exact_for_any_routing(n, k, skew, seed):
     np.testing.assert_allclose(got, loop_reference(p, x, w, idx), atol=1e-5, rtol=1e-5)
 
 
+_bucketed = jax.jit(lambda p, x, w, idx: moe.routed_experts(p, x, w, idx, impl="bucketed"))
+
+
+def _routing_with_counts(counts, n, k, r):
+    """idx [n, k] whose assignments give each expert exactly counts[e] rows (each count <= n,
+    so a token's k experts are distinct), tokens in random order."""
+    flat = np.repeat(np.arange(len(counts)), counts)
+    idx = flat.reshape(k, n).T                  # expert blocks of <= n rows never span a token twice
+    assert (np.sort(idx, 1)[:, 1:] != np.sort(idx, 1)[:, :-1]).all()
+    return idx[r.permutation(n)]
+
+
+# E = 8 experts, n = 40 tokens, k = 2: A = 80, bucket_layout -> C = 12 base rows per expert,
+# H = 2 overflow buckets of C2 = 5 rows.
+BUCKET_CASES = {
+    "even": ([10] * 8, True),                          # base buckets only
+    "overflow": ([17, 15, 12, 12, 9, 7, 4, 4], True),  # two experts spill 5 and 3 rows into overflow
+    "three_over": ([14, 14, 14, 10, 10, 8, 6, 4], False),   # more experts over C than buckets: tiled
+    "too_heavy": ([30, 10, 10, 10, 8, 6, 4, 2], False),     # spill beyond C2: tiled
+}
+
+
+@pytest.mark.parametrize("case", sorted(BUCKET_CASES))
+def test_bucketed_dispatch_exact_in_every_branch(case):
+    """The CPU default back end against a token-by-token loop, with routings built to land in
+    each branch: base buckets, base + overflow buckets, and the tiled fallback (twice)."""
+    counts, fits = BUCKET_CASES[case]
+    E, D, F, n, k = 8, 12, 6, 40, 2
+    r = np.random.RandomState(sum(counts[:3]))
+    p = _expert_params(E, D, F, 3)
+    idx = _routing_with_counts(counts, n, k, r)
+    assert moe.bucket_layout(n * k, E) == (12, 2, 5)
+    plan = moe.SortedRows(jnp.asarray(idx.reshape(-1), jnp.int32), E)
+    assert bool(moe.bucket_fits(plan, 12, 2, 5)) == fits
+    x = r.randn(n, D).astype(np.float32)
+    w = r.rand(n, k).astype(np.float32)
+    got = _bucketed(jax.tree.map(jnp.asarray, p), jnp.asarray(x), jnp.asarray(w), jnp.asarray(idx, jnp.int32))
+    np.testing.assert_allclose(got, loop_reference(p, x, w, idx), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("E,n,k", [(8, moe.FEW_TOKENS, 3), (64, 4, 2)])
+def test_few_tokens_paths_are_exact(E, n, k):
+    """Up to FEW_TOKENS tokens (decode) the bucketed back end runs every token through every
+    expert (n*k >= E) or loops over the experts in use (n*k < E): either way an expert a token
+    did not choose adds nothing to it, even where its output for that token overflows to inf
+    (token 0 through expert X here), and an expert nobody chose adds nothing, even with NaN
+    weights."""
+    D, F = 12, 6
+    r = np.random.RandomState(5)
+    p = _expert_params(E, D, F, 4)
+    idx = np.stack([r.choice(E - 1, k, replace=False) for _ in range(n)])     # expert E-1 unused
+    X = next(e for e in idx[1:].reshape(-1) if e not in idx[0])               # in use, not by token 0
+    x = r.randn(n, D).astype(np.float32)
+    x[0], x[1:, 0] = 0, 0
+    x[0, 0] = 1e20                     # only expert X reads input dim 0: inf for token 0 there
+    for name in ("w_gate", "w_up"):
+        p[name][:, 0] = 0
+        p[name][X, 0] = 1
+    p_nan = {name: w.copy() for name, w in p.items()}
+    for w in p_nan.values():
+        w[E - 1] = np.nan
+    w = r.rand(n, k).astype(np.float32)
+    got = _bucketed(jax.tree.map(jnp.asarray, p_nan), jnp.asarray(x), jnp.asarray(w), jnp.asarray(idx, jnp.int32))
+    np.testing.assert_allclose(got, loop_reference(p, x, w, idx), atol=1e-5, rtol=1e-5)
+
+
+def test_bucket_layout_bound():
+    """Slots of the bucketed layout: E*C + H*C2 <= 1.25 R + E + H (the FLOP bound model_cost.py
+    reports), for any size; and a routing as even as possible always fits."""
+    for R in (1, 7, 16, 80, 100, 4096, 12288, 100000):
+        for E in (1, 8, 16, 64, 256):
+            C, H, C2 = moe.bucket_layout(R, E)
+            assert E * C + H * C2 <= 1.25 * R + E + H
+            assert C >= -(-R // E) and H * 4 >= E
+
+
 def test_ragged_dot_path_equals_tiled():
     E, D, F, n, k = 8, 16, 8, 50, 2
     r = np.random.RandomState(1)
@@ -167,11 +243,12 @@ def test_padding_tokens_are_spread_and_weightless(tiny_cfg, tiny_params):
         np.testing.assert_allclose(got[:6], run(p, cfg, real, impl), atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("skew", ["uniform", "one", "all"])
+@pytest.mark.parametrize("skew", ["uniform", "two", "one", "all"])
 def test_experts_for_rows_ignores_empty_rows_and_is_exact(skew):
     """A receive buffer of 64 rows, 20 real: outputs equal each row through its expert, empty
-    rows give 0, whichever cond branch the routing picks (buckets for 20 rows: C = 4 per
-    expert of 8; 'one' puts 7 rows on expert 3 (the 2C bucket), 'all' all 20 on one (tiled))."""
+    rows give 0, whichever cond branch the routing picks (buckets for 20 rows over 8 experts:
+    C = 3 base rows each, 2 overflow buckets of 2; 'two' puts 5 rows on experts 3 and 5 (overflow
+    buckets), 'one' 7 on expert 3 and 'all' all 20 on one (tiled))."""
     E, D, F, R = 8, 12, 6, 64
     r = np.random.RandomState(2)
     p = jax.tree.map(jnp.asarray, _expert_params(E, D, F))
@@ -179,7 +256,11 @@ def test_experts_for_rows_ignores_empty_rows_and_is_exact(skew):
     ids = np.full(R, -1, np.int32)
     real = r.choice(R, 20, replace=False)
     ids[real] = {"uniform": np.arange(20) % E, "one": np.r_[[3] * 5, np.arange(15) % E],
+                 "two": np.r_[[3] * 5, [5] * 5, [0, 1, 2, 4, 6, 7] * 2][:20],
                  "all": np.full(20, 5)}[skew]
+    C, H, C2 = moe.bucket_layout(20, E)
+    assert bool(moe.bucket_fits(moe.SortedRows(jnp.asarray(np.where(ids >= 0, ids, E)), E), C, H, C2)) == (
+        skew in ("uniform", "two"))
     got = np.asarray(moe.experts_for_rows(p, jnp.asarray(rows), jnp.asarray(ids), 20, "bucketed"))
     want = np.zeros_like(got)
     want[real] = loop_reference(p, rows[real], np.ones((20, 1), np.float32), ids[real][:, None])

@@ -12,7 +12,7 @@ import pytest
 
 import pdjax
 from pdjax.config import from_hf_dict
-from pdjax.model import transformer
+from pdjax.model import moe, transformer
 from pdjax.model.cache import init_cache
 from pdjax.model.paged import init_paged_cache
 
@@ -118,10 +118,11 @@ def _eqns(jaxpr):
 
 def test_bf16_compute_keeps_float32_islands(tiny_cfg):
     """In a bf16 model the traced program holds: every exp (softmax) and rsqrt (RMSNorm) in
-    float32; float32 matmuls only for the router logits and the expert combine (two per MoE
-    layer); bf16 matmuls everywhere else, of which exactly the attention scores (one per
-    layer), the absorbed attention's value dot (decode: one more per layer, normalised after
-    it) and the logits accumulate into float32."""
+    float32; float32 matmuls only for the router logits (one per MoE layer); the expert combine
+    (the weighted sum of the experts' outputs, under ``moe.COMBINE_SCOPE``) all float32, in
+    every MoE layer; bf16 matmuls everywhere else, of which exactly the attention scores (one
+    per layer), the absorbed attention's value dot (decode: one more per layer, normalised
+    after it) and the logits accumulate into float32."""
     cfg = tiny_cfg.replace(param_dtype="bfloat16", compute_dtype="bfloat16")
     params = jax.eval_shape(lambda: pdjax.init_params(cfg, jax.random.key(0)))     # tracing only
     toks = jax.ShapeDtypeStruct((2, 6), jnp.int32)
@@ -139,7 +140,12 @@ def test_bf16_compute_keeps_float32_islands(tiny_cfg):
         dots = [e for e in eqns if e.primitive.name == "dot_general"]
         ins = [{v.aval.dtype for v in e.invars} for e in dots]
         assert all(i in ({f32}, {bf16}) for i in ins), (what, ins)
-        assert sum(i == {f32} for i in ins) == 2 * moe_layers, what
+        assert sum(i == {f32} for i in ins) == moe_layers, what
+        combine = [e for e in eqns if moe.COMBINE_SCOPE in str(e.source_info.name_stack)
+                   and e.primitive.name in ("mul", "add", "reduce_sum")
+                   and jnp.issubdtype(e.outvars[0].aval.dtype, jnp.floating)]     # not index arithmetic
+        assert all(e.outvars[0].aval.dtype == f32 for e in combine), (what, combine)
+        assert sum(e.primitive.name in ("add", "reduce_sum") for e in combine) >= moe_layers, what
         widened = [e for e, i in zip(dots, ins) if i == {bf16} and e.outvars[0].aval.dtype == f32]
         per_layer = 2 if what == "decode" else 1
         assert len(widened) == per_layer * cfg.num_hidden_layers + 1, what
