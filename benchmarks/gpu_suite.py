@@ -136,7 +136,7 @@ def grouped_gemm(cfg, experts: int, rows_per_expert: int, whole_path: bool = Fal
     if whole_path:
         run = jax.jit(lambda w, x, weights, idx: moe_lib.routed_experts(w, x, weights, idx, "ragged"))
     else:
-        run = jax.jit(lambda w, x, counts: moe_lib._experts_ragged(x, None, counts, w["w_gate"], w["w_up"],
+        run = jax.jit(lambda w, x, counts: moe_lib._experts_ragged(x, counts, w["w_gate"], w["w_up"],
                                                                    w["w_down"]))
     return run, make, 6 * A * D * F
 
