@@ -45,7 +45,7 @@ from .generators import GENERATORS
 from .greedy import Policy, greedy_schedule
 from .layout import Layout
 from .schedule import Schedule
-from .simulate import Timeline, simulate
+from .simulate import Timeline, _per_stage, simulate
 
 FAMILIES = ("zb", "v", "dualpipe")
 _HAND = {"zb": ("1f1b", "zb1p", "zbh2"), "v": ("dualpipev", "zbv", "v-half", "v-min"), "dualpipe": ("dualpipe",)}
@@ -92,15 +92,7 @@ class SearchResult:
 
 
 def _per_rank(name: str, value, p: int) -> np.ndarray:
-    arr = np.asarray(value, dtype=float)
-    if arr.ndim == 0:
-        arr = np.full(p, float(arr))
-    if arr.shape != (p,):
-        raise ValueError(f"{name} must be a scalar or one value per rank ({p}), got shape {arr.shape}")
-    bad = np.flatnonzero(~np.isfinite(arr) | (arr < 0))
-    if bad.size:
-        raise ValueError(f"{name} must be finite and >= 0, got {float(arr[bad[0]])!r} at rank {int(bad[0])}")
-    return arr
+    return _per_stage(name, value, p, unit="rank")
 
 
 def _layouts(p: int, m: int, families) -> dict:

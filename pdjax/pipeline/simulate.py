@@ -102,15 +102,17 @@ class Timeline:
                 f"{self.bubble_ratio:.3f}, bubbles per rank {np.round(self.bubble, 6).tolist()}</pre>")
 
 
-def _per_stage(name: str, value, num_stages: int) -> np.ndarray:
+def _per_stage(name: str, value, num_stages: int, unit: str = "stage") -> np.ndarray:
+    """``value`` (a scalar or one entry per ``unit``) as a float array [num_stages], finite
+    and >= 0, or a ValueError naming ``name`` and the offending entry."""
     arr = np.asarray(value, dtype=float)
     if arr.ndim == 0:
         arr = np.full(num_stages, float(arr))
     elif arr.shape != (num_stages,):
-        raise ValueError(f"{name} must be a scalar or have one entry per stage ({num_stages}), got shape {arr.shape}")
+        raise ValueError(f"{name} must be a scalar or have one entry per {unit} ({num_stages}), got shape {arr.shape}")
     bad = np.flatnonzero(~np.isfinite(arr) | (arr < 0))
     if bad.size:
-        raise ValueError(f"{name} must be finite and >= 0, got {float(arr[bad[0]])!r} at stage {int(bad[0])}")
+        raise ValueError(f"{name} must be finite and >= 0, got {float(arr[bad[0]])!r} at {unit} {int(bad[0])}")
     return arr
 
 
