@@ -155,14 +155,12 @@ def _markdown(gaps: list[dict]) -> str:
 
 
 def figure(points: list[dict], settings, p: int):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure    # not pyplot: the user's backend stays as it is
 
     cols = min(2, len(settings))
     rows = -(-len(settings) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 4.2 * rows), squeeze=False)
+    fig = Figure(figsize=(5.5 * cols, 4.2 * rows))
+    axes = fig.subplots(rows, cols, squeeze=False)
     for ax in axes.flat[len(settings):]:
         ax.set_visible(False)
     for ax, (ratio, comm) in zip(axes.flat, settings):
