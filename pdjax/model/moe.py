@@ -331,6 +331,29 @@ def default_impl() -> str:
 IMPLS = ("bucketed", "tiled", "ragged")
 
 
+def _check_impl(impl: str | None) -> str:
+    impl = impl or default_impl()
+    if impl not in IMPLS:
+        raise ValueError(f"unknown MoE impl {impl!r}; use 'bucketed', 'tiled' or 'ragged'")
+    return impl
+
+
+def _expert_weights(p, dtype) -> tuple:
+    """(w_gate, w_up, w_down) in the compute dtype."""
+    return tuple(p[name].astype(dtype) for name in ("w_gate", "w_up", "w_down"))
+
+
+def _sorted_rows(x_src, k, plan: SortedRows, expected_rows: int, impl: str, w) -> jax.Array:
+    """Every row's output [R, D] through the tiled back end, or the bucketed one (buckets sized
+    for ``expected_rows``) when the routing fits its layout, else tiled (``lax.cond``)."""
+    if impl == "tiled":
+        return _tiled_rows(x_src, k, plan, *w)
+    C, H, C2 = bucket_layout(expected_rows, plan.E)
+    return jax.lax.cond(bucket_fits(plan, C, H, C2),
+                        lambda: _bucketed_rows(x_src, k, plan, C, H, C2, *w),
+                        lambda: _tiled_rows(x_src, k, plan, *w))
+
+
 def routed_experts(p, x_ND, weights_Nk, idx_Nk, impl: str | None = None):
     """sum_j weights[n,j] * Expert_{idx[n,j]}(x[n]) for every token, exactly. [N,D].
 
@@ -338,13 +361,11 @@ def routed_experts(p, x_ND, weights_Nk, idx_Nk, impl: str | None = None):
     at least E assignments (:func:`_every_expert`), else loop over the experts in use
     (:func:`_experts_in_use`); more tokens run in buckets (:func:`bucket_layout`) when the
     routing fits them, else tiled (``lax.cond``: one branch executes)."""
-    impl = impl or default_impl()
-    if impl not in IMPLS:
-        raise ValueError(f"unknown MoE impl {impl!r}; use 'bucketed', 'tiled' or 'ragged'")
+    impl = _check_impl(impl)
     N, D = x_ND.shape
     k = idx_Nk.shape[1]
     E = p["w_gate"].shape[0]
-    w = tuple(p[name].astype(x_ND.dtype) for name in ("w_gate", "w_up", "w_down"))   # compute dtype
+    w = _expert_weights(p, x_ND.dtype)
     if impl == "ragged":
         order, _, counts = sort_assignments(idx_Nk, E)
         y_sorted = _experts_ragged(x_ND[order // k], counts, *w)
@@ -354,14 +375,7 @@ def routed_experts(p, x_ND, weights_Nk, idx_Nk, impl: str | None = None):
     elif impl == "bucketed" and N <= FEW_TOKENS:
         return _experts_in_use(x_ND, weights_Nk, idx_Nk, *w)
     else:
-        plan = SortedRows(idx_Nk.reshape(-1), E)
-        if impl == "tiled":
-            y_NkD = _tiled_rows(x_ND, k, plan, *w).reshape(N, k, D)
-        else:
-            C, H, C2 = bucket_layout(N * k, E)
-            y_NkD = jax.lax.cond(bucket_fits(plan, C, H, C2),
-                                 lambda: _bucketed_rows(x_ND, k, plan, C, H, C2, *w),
-                                 lambda: _tiled_rows(x_ND, k, plan, *w)).reshape(N, k, D)
+        y_NkD = _sorted_rows(x_ND, k, SortedRows(idx_Nk.reshape(-1), E), N * k, impl, w).reshape(N, k, D)
     return _combine(y_NkD, weights_Nk, x_ND.dtype)
 
 
@@ -375,21 +389,13 @@ def experts_for_rows(p, rows_RD, ids_R, expected_rows: int, impl: str | None = N
     fit them, the tiled path runs over the real rows (statically sized for all R): exact
     whatever the routing. Other back ends run over all R rows, the empty ones weighted 0."""
     E = p["w_gate"].shape[0]
-    impl = impl or default_impl()
-    if impl not in IMPLS:
-        raise ValueError(f"unknown MoE impl {impl!r}; use 'bucketed', 'tiled' or 'ragged'")
-    w = tuple(p[name].astype(rows_RD.dtype) for name in ("w_gate", "w_up", "w_down"))
+    impl = _check_impl(impl)
     real = ids_R >= 0
     if impl == "ragged":
         weights, idx = mask_routing(jnp.ones((rows_RD.shape[0], 1), jnp.float32), ids_R[:, None], real, E)
-        return routed_experts(dict(zip(("w_gate", "w_up", "w_down"), w)), rows_RD, weights, idx, impl)
-    plan = SortedRows(jnp.where(real, ids_R, E), E)
-    if impl == "tiled":
-        return _tiled_rows(rows_RD, 1, plan, *w)
-    C, H, C2 = bucket_layout(expected_rows, E)
-    return jax.lax.cond(bucket_fits(plan, C, H, C2),
-                        lambda: _bucketed_rows(rows_RD, 1, plan, C, H, C2, *w),
-                        lambda: _tiled_rows(rows_RD, 1, plan, *w))
+        return routed_experts(p, rows_RD, weights, idx, impl)
+    return _sorted_rows(rows_RD, 1, SortedRows(jnp.where(real, ids_R, E), E), expected_rows, impl,
+                        _expert_weights(p, rows_RD.dtype))
 
 
 def moe(p, cfg: ModelConfig, x_ND, impl=None, valid_N=None):
