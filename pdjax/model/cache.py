@@ -61,10 +61,10 @@ class KVCache:
         return jnp.stack(self.kv)
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
-    """An empty cache of ``batch`` rows and ``max_len`` positions; ``dtype`` default
-    ``cfg.kv_cache_dtype``."""
-    dtype = cfg.kv_cache_dtype if dtype is None else dtype_name(dtype, "init_cache dtype")
+def check_empty_cache(cfg: ModelConfig, batch: int, max_len: int, dtype, what: str):
+    """The dtype of a new empty cache (default ``cfg.kv_cache_dtype``), after checking its
+    batch and length; ``what`` names the caller in the errors."""
+    dtype = cfg.kv_cache_dtype if dtype is None else dtype_name(dtype, f"{what} dtype")
     if batch <= 0:
         raise ValueError(f"cache batch must be positive, got {batch}")
     if max_len <= 0:
@@ -72,9 +72,21 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCach
     if max_len > cfg.max_position_embeddings:
         raise ValueError(
             f"max_len={max_len} exceeds max_position_embeddings={cfg.max_position_embeddings}")
+    return dtype
+
+
+def empty_lengths(batch: int):
+    """Zero lengths [batch] int32 on device, their host copy recorded (:func:`remember_lengths`)."""
+    return remember_lengths(jnp.zeros((batch,), jnp.int32), np.zeros(batch, np.int32))
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+    """An empty cache of ``batch`` rows and ``max_len`` positions; ``dtype`` default
+    ``cfg.kv_cache_dtype``."""
+    dtype = check_empty_cache(cfg, batch, max_len, dtype, "init_cache")
     kv = tuple(jnp.zeros((batch, max_len, cfg.kv_latent_dim), dtype)
                for _ in range(cfg.num_hidden_layers))
-    return KVCache(kv=kv, lengths=remember_lengths(jnp.zeros((batch,), jnp.int32), np.zeros(batch, np.int32)))
+    return KVCache(kv=kv, lengths=empty_lengths(batch))
 
 
 # ---- the host's copy of the lengths -----------------------------------------------------------
@@ -116,8 +128,9 @@ def to_cache_dtype(x, dtype):
     return x.astype(dtype)
 
 
-def write_rows(kv_BSL, new_BTL, start_B):
-    """Write new_BTL [B,T,W] into kv_BSL [B,S,W] at per-row offsets start_B [B].
+def write_rows(kv_BSL, new_BTL, start_B, layer=None):
+    """Write new_BTL [B,T,W] into kv_BSL [B,S,W] at per-row offsets start_B [B]; with
+    ``layer`` (an int, traced or not), kv is a stack [n,B,S,W] and its layer ``layer`` is written.
 
     One dynamic_update_slice per row, in a loop: in place under donation, and with a
     batch-sharded cache each device updates its own rows. (A scatter is in place too, but
@@ -125,7 +138,10 @@ def write_rows(kv_BSL, new_BTL, start_B):
     layer, and on XLA:CPU it ran about 5x slower.) Callers check start + T <= S on the host
     first: a dynamic_update_slice clamps a start past S - T."""
     new_BTL = to_cache_dtype(new_BTL, kv_BSL.dtype)
+    lead = () if layer is None else (layer,)
 
     def row(b, kv):
-        return jax.lax.dynamic_update_slice(kv, jax.lax.dynamic_slice_in_dim(new_BTL, b, 1), (b, start_B[b], 0))
+        rows = jax.lax.dynamic_slice_in_dim(new_BTL, b, 1)
+        return jax.lax.dynamic_update_slice(kv, rows.reshape((1,) * len(lead) + rows.shape),
+                                            lead + (b, start_B[b], 0))
     return jax.lax.fori_loop(0, new_BTL.shape[0], row, kv_BSL)

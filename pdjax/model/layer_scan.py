@@ -17,7 +17,7 @@ saves no compile time.
 ``pdjax.forward / prefill / decode_step / generate`` accept either form (the public functions
 in :mod:`pdjax.model.transformer`). With stacked params the cache is a
 :class:`StackedKVCache`: one ``[n_i, B, S, C+R]`` buffer per run. A decode step carries each
-run's buffer through its scan and writes the new rows into it with one scatter per layer (in
+run's buffer through its scan and writes the new rows into it with cache.write_rows (in
 place: the step donates the cache and the scan's carry aliases it), so no step copies the
 cache. MoE statistics (``moe.collect_stats``, ``return_stats``) come out per MoE layer in
 layer order, as in the per-layer form.
@@ -34,9 +34,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pdjax.config import ModelConfig, dtype_name
+from pdjax.config import ModelConfig
 from pdjax.model import moe as moe_lib
-from pdjax.model.cache import KVCache, to_cache_dtype
+from pdjax.model.cache import KVCache, check_empty_cache, empty_lengths, to_cache_dtype, write_rows
 
 
 class LayerRun(NamedTuple):
@@ -190,15 +190,9 @@ def stack_cache(cache: KVCache, cfg: ModelConfig) -> StackedKVCache:
 
 def init_stacked_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> StackedKVCache:
     """An empty :class:`StackedKVCache` (as :func:`pdjax.init_cache`, stacked per layer run)."""
-    dtype = cfg.kv_cache_dtype if dtype is None else dtype_name(dtype, "init_stacked_cache dtype")
-    if batch <= 0:
-        raise ValueError(f"cache batch must be positive, got {batch}")
-    if max_len <= 0:
-        raise ValueError(f"max_len must be positive, got {max_len}")
-    if max_len > cfg.max_position_embeddings:
-        raise ValueError(f"max_len={max_len} exceeds max_position_embeddings={cfg.max_position_embeddings}")
+    dtype = check_empty_cache(cfg, batch, max_len, dtype, "init_stacked_cache")
     kv = tuple(jnp.zeros((r.length, batch, max_len, cfg.kv_latent_dim), dtype) for r in layer_runs(cfg))
-    return StackedKVCache(kv=kv, lengths=jnp.zeros((batch,), jnp.int32))
+    return StackedKVCache(kv=kv, lengths=empty_lengths(batch))
 
 
 def fresh_cache(new_kv, lengths_B, max_len: int, cfg: ModelConfig) -> StackedKVCache:
@@ -210,18 +204,14 @@ def fresh_cache(new_kv, lengths_B, max_len: int, cfg: ModelConfig) -> StackedKVC
 
 class _RunLayerCache:
     """Layer ``index`` of a run's cache buffer [n,B,S,C+R], as the attention sees it: it writes
-    the new rows into the whole buffer (one scatter, in place in the scan's carry) and reads
-    the layer's rows back."""
+    the new rows into the whole buffer (:func:`pdjax.model.cache.write_rows`, in place in the
+    scan's carry) and reads the layer's rows back."""
 
     def __init__(self, buffer_NBSL, index):
         self.buffer, self.index = buffer_NBSL, index
 
     def write_and_view(self, new_BTL, start_B):
-        B, T = new_BTL.shape[:2]
-        rows = jnp.arange(B)[:, None]
-        cols = start_B[:, None] + jnp.arange(T)[None, :]
-        buf = self.buffer.at[self.index, rows, cols].set(to_cache_dtype(new_BTL, self.buffer.dtype),
-                                                         unique_indices=True)
+        buf = write_rows(self.buffer, new_BTL, start_B, self.index)
         return buf, jax.lax.dynamic_index_in_dim(buf, self.index, 0, keepdims=False)
 
 
