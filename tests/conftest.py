@@ -1,5 +1,6 @@
-"""Test set-up: 8 simulated CPU devices and XLA:CPU's LLVM back end at -O0 (both set before
-jax initialises), float32 matmuls at full precision, and the persistent compilation cache."""
+"""Test set-up: 8 simulated CPU devices, XLA:CPU's LLVM back end at -O0 and the persistent
+compilation cache (all set in the environment before jax initialises, so child processes get
+them too), and float32 matmuls at full precision."""
 
 import gc
 import os
@@ -17,11 +18,15 @@ if "xla_backend_optimization_level" not in flags:
     flags += " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = flags
 
+# The persistent compilation cache, through the environment so that the child processes the
+# tests start (two-process PD servers, pipeline rank processes) share it: a restarted server
+# loads its programs instead of compiling them again.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(os.path.dirname(__file__)),
+                                                                ".jax_cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
 import jax  # noqa: E402
 
-jax.config.update("jax_compilation_cache_dir",
-                  os.path.join(os.path.dirname(os.path.dirname(__file__)), ".jax_cache"))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_default_matmul_precision", "highest")
 
 import pytest  # noqa: E402

@@ -28,17 +28,22 @@ from pdjax.parallel.ep import ExpertParallel
 from pdjax.parallel.mesh import make_mesh, shard_params
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "moe_impl"))
-def _layer(lp, cfg, x, q_pos, valid, moe_impl):
-    return layer(lp, cfg, x, q_pos, moe_impl=moe_impl, valid_BT=valid)
+# Both layer programs return (x, kv) replicated over the pool's mesh (``out``), as their
+# inputs are: an MoE layer's would otherwise come out split over the expert axis, and the next
+# layer, seeing another input sharding, would compile a second program for the same shapes.
+
+@functools.partial(jax.jit, static_argnames=("cfg", "moe_impl", "out"))
+def _layer(lp, cfg, x, q_pos, valid, moe_impl, out):
+    return jax.lax.with_sharding_constraint(layer(lp, cfg, x, q_pos, moe_impl=moe_impl, valid_BT=valid), out)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "moe_impl"), donate_argnames=("kv",))
-def _layer_cached(lp, cfg, x, q_pos, kv, start, valid, moe_impl):
+@functools.partial(jax.jit, static_argnames=("cfg", "moe_impl", "out"), donate_argnames=("kv",))
+def _layer_cached(lp, cfg, x, q_pos, kv, start, valid, moe_impl, out):
     """A layer over a chunk that continues the request's cache kv [1, S, C+R] (rows before
     ``start`` filled): the chunk's rows are written at ``start`` (kv is donated: in place) and
     it attends causally."""
-    return layer(lp, cfg, x, q_pos, kv, start, moe_impl=moe_impl, valid_BT=valid)
+    return jax.lax.with_sharding_constraint(
+        layer(lp, cfg, x, q_pos, kv, start, moe_impl=moe_impl, valid_BT=valid), out)
 
 
 @functools.partial(jax.jit, static_argnames=("size",))
@@ -139,7 +144,8 @@ class PrefillPool:
                         else:
                             kvs[l] = jnp.zeros((1, size, self.cfg.kv_latent_dim), self.params["embed"].dtype,
                                                device=self.replicated)
-                    x, kvs[l] = _layer_cached(lp, self.cfg, x, q_pos, kvs[l], start, valid, self.ep)
+                    x, kvs[l] = _layer_cached(lp, self.cfg, x, q_pos, kvs[l], start, valid, self.ep,
+                                              self.replicated)
                     if timeline is not None:
                         timeline.record("prefill compute", f"layer {l}", x)
                     lo = 0 if pos == P else pos           # the first chunk also sends the cached prefix
@@ -164,7 +170,7 @@ class PrefillPool:
         x = _embed(self.params, self.cfg, tokens)
         rows = []
         for l, lp in enumerate(self.params["layers"]):
-            x, kv = _layer(lp, self.cfg, x, q_pos, valid, self.ep)
+            x, kv = _layer(lp, self.cfg, x, q_pos, valid, self.ep, self.replicated)
             rows.append(kv[0, :T])
             if timeline is not None:
                 timeline.record("prefill compute", f"layer {l}", x)
