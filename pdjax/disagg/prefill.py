@@ -28,13 +28,17 @@ from pdjax.parallel.ep import ExpertParallel
 from pdjax.parallel.mesh import make_mesh, shard_params
 
 
-# Both layer programs return (x, kv) replicated over the pool's mesh (``out``), as their
-# inputs are: an MoE layer's would otherwise come out split over the expert axis, and the next
-# layer, seeing another input sharding, would compile a second program for the same shapes.
+def _placed(outputs, out):
+    """Both layer programs return (x, kv) replicated over the pool's mesh (``out``; None: as
+    XLA places them), as their inputs are: an MoE layer's would otherwise come out split over
+    the expert axis, and the next layer, seeing another input sharding, would compile a
+    second program for the same shapes."""
+    return outputs if out is None else jax.lax.with_sharding_constraint(outputs, out)
+
 
 @functools.partial(jax.jit, static_argnames=("cfg", "moe_impl", "out"))
 def _layer(lp, cfg, x, q_pos, valid, moe_impl, out):
-    return jax.lax.with_sharding_constraint(layer(lp, cfg, x, q_pos, moe_impl=moe_impl, valid_BT=valid), out)
+    return _placed(layer(lp, cfg, x, q_pos, moe_impl=moe_impl, valid_BT=valid), out)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "moe_impl", "out"), donate_argnames=("kv",))
@@ -42,8 +46,7 @@ def _layer_cached(lp, cfg, x, q_pos, kv, start, valid, moe_impl, out):
     """A layer over a chunk that continues the request's cache kv [1, S, C+R] (rows before
     ``start`` filled): the chunk's rows are written at ``start`` (kv is donated: in place) and
     it attends causally."""
-    return jax.lax.with_sharding_constraint(
-        layer(lp, cfg, x, q_pos, kv, start, moe_impl=moe_impl, valid_BT=valid), out)
+    return _placed(layer(lp, cfg, x, q_pos, kv, start, moe_impl=moe_impl, valid_BT=valid), out)
 
 
 @functools.partial(jax.jit, static_argnames=("size",))

@@ -12,6 +12,7 @@ import pytest
 
 import pdjax
 from pdjax.disagg import decode
+from pdjax.disagg import prefill as prefill_module
 from pdjax.disagg.decode import DecodePool
 from pdjax.disagg.request import Request
 from pdjax.model.paged import view_bucket
@@ -141,7 +142,20 @@ def test_every_pool_and_buffer_update_is_donated(tiny_cfg, tiny_params, handoff)
     x, q_pos = np.zeros((1, 16, tiny_cfg.hidden_size), np.float32), np.zeros((1, 16), np.int32)
     kv = np.zeros((1, 32, tiny_cfg.kv_latent_dim), np.float32)
     assert _aliased(prefill._layer_cached.lower(tiny_params["layers"][1], tiny_cfg, x, q_pos, kv, np.zeros(1, np.int32),
-                                                np.ones((1, 16), bool), None)) == 1
+                                                np.ones((1, 16), bool), None, None)) == 1
+
+
+def test_prefill_layers_keep_their_input_sharding(tiny_cfg, tiny_params):
+    """An MoE layer of the prefill pool returns x and its cache rows replicated, as the
+    dense layer before it does: the next MoE layer then runs the same compiled program
+    (split over the expert axis, it compiled a second one)."""
+    pool = prefill_module.PrefillPool(tiny_params, tiny_cfg, jax.devices()[:4], {"expert": 4})
+    tokens, q_pos, valid = pool._inputs(list(range(1, 13)), 0, 12)
+    x = prefill_module._embed(pool.params, tiny_cfg, tokens)
+    for lp in pool.params["layers"]:
+        x, kv = prefill_module._layer(lp, tiny_cfg, x, q_pos, valid, pool.ep, pool.replicated)
+        assert x.sharding.is_equivalent_to(pool.replicated, x.ndim)
+        assert kv.sharding.is_equivalent_to(pool.replicated, kv.ndim)
 
 
 def test_warm_up_compiles_every_view_bucket(tiny_cfg, tiny_params, handoff):
