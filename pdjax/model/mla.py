@@ -178,10 +178,14 @@ def attend_absorbed(p, cfg: ModelConfig, q_nope, q_pe, kv_BSL, mask_BTS):
     C, N = cfg.kv_lora_rank, T * H
     q_lat_BTHC = jnp.einsum("BTHK,CHK->BTHC", q_nope, p["wk_b"].astype(q_nope.dtype))
     q_BNL = jnp.concatenate([q_lat_BTHC, q_pe.astype(q_lat_BTHC.dtype)], axis=-1).reshape(B, N, -1)
-    bias_BNS = jnp.broadcast_to(jnp.where(mask_BTS, 0.0, -jnp.inf).astype(jnp.float32)[:, :, None],
-                                (B, T, H, kv_BSL.shape[1])).reshape(B, N, -1)
+    # The mask and scale are the same in every layer; tied to this layer's queries, the
+    # [B,N,S] broadcasts of both stay inside this layer's score fusion (XLA:CPU otherwise
+    # shares one materialised [B,N,S] array of each between layers: two more passes apiece).
+    bias_BTS = jnp.where(mask_BTS, 0.0, -jnp.inf).astype(jnp.float32)
+    q_BNL, bias_BTS, scale = jax.lax.optimization_barrier((q_BNL, bias_BTS, jnp.float32(cfg.softmax_scale)))
+    bias_BNS = jnp.broadcast_to(bias_BTS[:, :, None], (B, T, H, kv_BSL.shape[1])).reshape(B, N, -1)
     scores = jnp.einsum("BNL,BSL->BNS", q_BNL, kv_BSL, preferred_element_type=jnp.float32)
-    scores = scores * cfg.softmax_scale + bias_BNS
+    scores = scores * scale + bias_BNS
     e_BNS = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True)).astype(kv_BSL.dtype)
     denom_BN1 = jnp.sum(e_BNS, axis=-1, keepdims=True, dtype=jnp.float32)
     # Attend over the full cached rows and drop the rope columns of the small result: slicing
