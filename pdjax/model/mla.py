@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pdjax.config import ModelConfig, yarn_mscale
+from pdjax.model import dots
 from pdjax.model.initializers import scaled_normal
 
 
@@ -109,17 +110,17 @@ def apply_rope(x, cos, sin):
 def project_q(p, cfg: ModelConfig, x_BTD, cos, sin):
     """Queries [B,T,H,K] (no-position part) and [B,T,H,R] (rotated)."""
     if cfg.q_lora_rank is None:
-        q_BTHK = jnp.einsum("BTD,DHK->BTHK", x_BTD, p["wq"].astype(x_BTD.dtype))
+        q_BTHK = dots.einsum("BTD,DHK->BTHK", x_BTD, p["wq"])
     else:
-        q_BTQ = rms_norm(x_BTD @ p["wq_a"].astype(x_BTD.dtype), p["q_norm"], LATENT_NORM_EPS)
-        q_BTHK = jnp.einsum("BTQ,QHK->BTHK", q_BTQ, p["wq_b"].astype(x_BTD.dtype))
+        q_BTQ = rms_norm(dots.matmul(x_BTD, p["wq_a"]), p["q_norm"], LATENT_NORM_EPS)
+        q_BTHK = dots.einsum("BTQ,QHK->BTHK", q_BTQ, p["wq_b"])
     q_nope, q_pe = jnp.split(q_BTHK, [cfg.qk_nope_head_dim], axis=-1)
     return q_nope, apply_rope(q_pe, cos, sin)
 
 
 def project_kv_latent(p, cfg: ModelConfig, x_BTD, cos, sin):
     """The cache entry of each new token: [RMSNorm(latent) | RoPE(k_pe)], shape [B,T,C+R]."""
-    kv_BTL = x_BTD @ p["wkv_a"].astype(x_BTD.dtype)
+    kv_BTL = dots.matmul(x_BTD, p["wkv_a"])
     c_BTC, k_pe_BTR = jnp.split(kv_BTL, [cfg.kv_lora_rank], axis=-1)
     c_BTC = rms_norm(c_BTC, p["kv_norm"], LATENT_NORM_EPS)
     return jnp.concatenate([c_BTC, apply_rope(k_pe_BTR, cos, sin)], axis=-1)
@@ -141,8 +142,8 @@ def attend_naive(p, cfg: ModelConfig, q_nope, q_pe, kv_BSL, mask_BTS, causal_blo
     block i attends to keys [0, (i+1)T/n) only, skipping the fully masked upper blocks
     ((n-1)/2n of the score and softmax work); the result is the same."""
     c_BSC, k_pe_BSR = jnp.split(kv_BSL, [cfg.kv_lora_rank], axis=-1)
-    k_nope_BHSK = jnp.einsum("BSC,CHK->BHSK", c_BSC, p["wk_b"].astype(c_BSC.dtype))
-    v_BHSV = jnp.einsum("BSC,CHV->BHSV", c_BSC, p["wv_b"].astype(c_BSC.dtype))
+    k_nope_BHSK = dots.einsum("BSC,CHK->BHSK", c_BSC, p["wk_b"])
+    v_BHSV = dots.einsum("BSC,CHV->BHSV", c_BSC, p["wv_b"])
     k_pe_BHSR = jnp.broadcast_to(k_pe_BSR[:, None].astype(k_nope_BHSK.dtype),
                                  k_nope_BHSK.shape[:3] + k_pe_BSR.shape[-1:])
     k_BHSK = jnp.concatenate([k_nope_BHSK, k_pe_BHSR], axis=-1)
@@ -176,23 +177,27 @@ def attend_absorbed(p, cfg: ModelConfig, q_nope, q_pe, kv_BSL, mask_BTS):
     """
     B, T, H, _ = q_nope.shape
     C, N = cfg.kv_lora_rank, T * H
-    q_lat_BTHC = jnp.einsum("BTHK,CHK->BTHC", q_nope, p["wk_b"].astype(q_nope.dtype))
+    q_lat_BTHC = dots.einsum("BTHK,CHK->BTHC", q_nope, p["wk_b"])
     q_BNL = jnp.concatenate([q_lat_BTHC, q_pe.astype(q_lat_BTHC.dtype)], axis=-1).reshape(B, N, -1)
-    bias_BNS = jnp.broadcast_to(jnp.where(mask_BTS, 0.0, -jnp.inf).astype(jnp.float32)[:, :, None],
-                                (B, T, H, kv_BSL.shape[1])).reshape(B, N, -1)
+    # The mask and scale are the same in every layer; tied to this layer's queries, the
+    # [B,N,S] broadcasts of both stay inside this layer's score fusion (XLA:CPU otherwise
+    # shares one materialised [B,N,S] array of each between layers: two more passes apiece).
+    bias_BTS = jnp.where(mask_BTS, 0.0, -jnp.inf).astype(jnp.float32)
+    q_BNL, bias_BTS, scale = jax.lax.optimization_barrier((q_BNL, bias_BTS, jnp.float32(cfg.softmax_scale)))
+    bias_BNS = jnp.broadcast_to(bias_BTS[:, :, None], (B, T, H, kv_BSL.shape[1])).reshape(B, N, -1)
     scores = jnp.einsum("BNL,BSL->BNS", q_BNL, kv_BSL, preferred_element_type=jnp.float32)
-    scores = scores * cfg.softmax_scale + bias_BNS
+    scores = scores * scale + bias_BNS
     e_BNS = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True)).astype(kv_BSL.dtype)
     denom_BN1 = jnp.sum(e_BNS, axis=-1, keepdims=True, dtype=jnp.float32)
     # Attend over the full cached rows and drop the rope columns of the small result: slicing
     # the latent out of the cache first would copy the cache.
     o_BNL = jnp.einsum("BNS,BSL->BNL", e_BNS, kv_BSL, preferred_element_type=jnp.float32)
     o_BTHC = (o_BNL[..., :C] / denom_BN1).astype(kv_BSL.dtype).reshape(B, T, H, C)
-    return jnp.einsum("BTHC,CHV->BTHV", o_BTHC, p["wv_b"].astype(o_BTHC.dtype))
+    return dots.einsum("BTHC,CHV->BTHV", o_BTHC, p["wv_b"])
 
 
 def output_proj(p, o_BTHV):
-    return jnp.einsum("BTHV,HVD->BTD", o_BTHV, p["wo"].astype(o_BTHV.dtype))
+    return dots.einsum("BTHV,HVD->BTD", o_BTHV, p["wo"])
 
 
 def causal_mask(q_pos_BT, kv_len_S):

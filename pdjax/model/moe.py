@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from pdjax.config import ModelConfig
+from pdjax.model import dots
 from pdjax.model.initializers import scaled_normal
 
 _STATS: list[list] = []
@@ -126,9 +127,8 @@ def shared_experts(p, cfg: ModelConfig, x_ND):
 
 
 def swiglu(x, w_gate, w_up, w_down):
-    """SwiGLU MLP in x.dtype (the weights are cast to it)."""
-    w_gate, w_up, w_down = (w.astype(x.dtype) for w in (w_gate, w_up, w_down))
-    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+    """SwiGLU MLP in x.dtype (the weights are cast to it: :func:`pdjax.model.dots.matmul`)."""
+    return dots.matmul(jax.nn.silu(dots.matmul(x, w_gate)) * dots.matmul(x, w_up), w_down)
 
 
 def tile_rows(num_assignments: int, num_experts: int) -> int:
@@ -199,8 +199,8 @@ def _gather(x_XD, index_S):
 
 def _swiglu_grouped(x_GTD, w_gate, w_up, w_down):
     """[G,T,D] rows through G experts' weights [G,D,F], [G,D,F], [G,F,D]."""
-    h_GTF = jax.nn.silu(jnp.einsum("GTD,GDF->GTF", x_GTD, w_gate)) * jnp.einsum("GTD,GDF->GTF", x_GTD, w_up)
-    return jnp.einsum("GTF,GFD->GTD", h_GTF, w_down)
+    h_GTF = jax.nn.silu(dots.einsum("GTD,GDF->GTF", x_GTD, w_gate)) * dots.einsum("GTD,GDF->GTF", x_GTD, w_up)
+    return dots.einsum("GTF,GFD->GTD", h_GTF, w_down)
 
 
 def _tiled_rows(x_src, k, plan: SortedRows, w_gate, w_up, w_down):
@@ -284,7 +284,7 @@ def _experts_in_use(x_ND, weights_Nk, idx_Nk, w_gate, w_up, w_down):
 
     def through(e):
         wg, wu, wd = (jax.lax.dynamic_index_in_dim(w, e, keepdims=False) for w in (w_gate, w_up, w_down))
-        y_ND = (jax.nn.silu(x_ND @ wg) * (x_ND @ wu)) @ wd
+        y_ND = dots.matmul(jax.nn.silu(dots.matmul(x_ND, wg)) * dots.matmul(x_ND, wu), wd)
         with jax.named_scope(COMBINE_SCOPE):           # only tokens routed here add
             return jnp.where(routed_EN[e][:, None], y_ND.astype(jnp.float32) * coef_EN[e][:, None], 0.0)
 
