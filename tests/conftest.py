@@ -16,6 +16,11 @@ if "xla_force_host_platform_device_count" not in flags:
 # the default level. Set XLA_FLAGS with another level to override.
 if "xla_backend_optimization_level" not in flags:
     flags += " --xla_backend_optimization_level=0"
+# Likewise XLA:CPU's older (elemental) fusion code generator instead of the MLIR fusion
+# emitters: the same fused HLO, emitted about 40 % faster (tiny forward + prefill + decode +
+# EP forward: 4.3 -> 2.6 s of compile).
+if "xla_cpu_use_fusion_emitters" not in flags:
+    flags += " --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = flags
 
 # The persistent compilation cache, through the environment so that the child processes the
