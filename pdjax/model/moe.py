@@ -10,8 +10,9 @@ the outputs; XLA:CPU runs scatters as serial loops). Three exact back ends:
     batched GEMM against the weights as stored, plus H = ceil(E/4) overflow buckets of
     C2 = ceil(A/(8H)) rows for the most loaded experts (their weights gathered): <= 1.25 A + E + H
     rows in all. ``lax.cond`` runs the tiled path instead when more than H experts exceed C or
-    one exceeds C + C2. Up to FEW_TOKENS tokens (decode) skip the sort: every token through
-    every expert when N*k >= E, else a loop over the experts in use, each read once in place;
+    one exceeds C + C2. Up to FEW_TOKENS tokens (decode) skip the sort: a loop over the experts
+    in use, each read once, or every token through every expert, whichever costs less for the
+    experts in use (:mod:`pdjax.model.moe_decode`);
   * ``"tiled"``: each expert's rows are padded to a multiple of a tile of T rows, every tile
     belongs to one expert, and tiles run as a batched GEMM against their expert's weights.
     Padding is at most T-1 rows per non-empty expert, chosen so the FLOP overhead is
@@ -21,8 +22,10 @@ the outputs; XLA:CPU runs scatters as serial loops). Three exact back ends:
 Nothing is ever dropped, and a token's output only ever adds the experts it chose.
 
 Precision: the router logits and scores are float32 (tokens and router weight upcast), the
-experts run in the tokens' dtype (the compute dtype; weights are cast to it) and their outputs
-are summed by the routing weights in float32, then cast back.
+experts run in the tokens' dtype (the compute dtype; weights are cast to it), their matmuls
+accumulated in float32 and rounded back (:func:`pdjax.model.dots.einsum`: on XLA:CPU
+this keeps bf16 weights from being copied to float32 on every call), and their outputs are
+summed by the routing weights in float32, then cast back.
 """
 
 from __future__ import annotations
@@ -33,8 +36,10 @@ import jax
 import jax.numpy as jnp
 
 from pdjax.config import ModelConfig
-from pdjax.model import dots
 from pdjax.model.initializers import scaled_normal
+# COMBINE_SCOPE and swiglu live in moe_decode (the decode paths use them too); importable here
+from pdjax.model.moe_decode import COMBINE_SCOPE, few_tokens, swiglu  # noqa: F401
+from pdjax.model.moe_decode import combine as _combine, swiglu_grouped as _swiglu_grouped
 
 _STATS: list[list] = []
 
@@ -126,11 +131,6 @@ def shared_experts(p, cfg: ModelConfig, x_ND):
     return swiglu(x_ND, s["w_gate"], s["w_up"], s["w_down"])
 
 
-def swiglu(x, w_gate, w_up, w_down):
-    """SwiGLU MLP in x.dtype (the weights are cast to it: :func:`pdjax.model.dots.matmul`)."""
-    return dots.matmul(jax.nn.silu(dots.matmul(x, w_gate)) * dots.matmul(x, w_up), w_down)
-
-
 def tile_rows(num_assignments: int, num_experts: int) -> int:
     """Rows per tile: the largest power of two <= A / (8 E) (>= 1), capped at 256, so the
     worst-case padding E*(T-1) stays <= A/8."""
@@ -197,12 +197,6 @@ def _gather(x_XD, index_S):
     return jnp.take(x_XD, index_S, axis=0, mode="fill", fill_value=0)
 
 
-def _swiglu_grouped(x_GTD, w_gate, w_up, w_down):
-    """[G,T,D] rows through G experts' weights [G,D,F], [G,D,F], [G,F,D]."""
-    h_GTF = jax.nn.silu(dots.einsum("GTD,GDF->GTF", x_GTD, w_gate)) * dots.einsum("GTD,GDF->GTF", x_GTD, w_up)
-    return dots.einsum("GTF,GFD->GTD", h_GTF, w_down)
-
-
 def _tiled_rows(x_src, k, plan: SortedRows, w_gate, w_up, w_down):
     """Each expert's rows padded to tiles of T rows (:func:`tile_rows`), one expert per tile,
     the tiles one batched GEMM against their experts' weights (gathered per tile); a static
@@ -267,56 +261,7 @@ def _bucketed_rows(x_src, k, plan: SortedRows, C, H, C2, w_gate, w_up, w_down):
     return _gather(jnp.concatenate([y_base, y_over]), slot_R)
 
 
-def _experts_in_use(x_ND, weights_Nk, idx_Nk, w_gate, w_up, w_down):
-    """A loop over the experts in use: each step reads one expert's weights in place (a dynamic
-    index, no copy) and runs every token through it; a token adds weights[n,j] * y where
-    idx[n,j] is that expert, nothing otherwise. For a few tokens (decode), where reading the
-    weights, not the FLOPs, sets the time, this reads only the experts some token chose, each
-    once. ``lax.scan`` over min(E, N*k) steps, those past the experts in use skipped by
-    ``lax.cond`` (so it differentiates). Summed in float32, in expert order. [N, D]."""
-    N, D = x_ND.shape
-    E = w_gate.shape[0]
-    routed_EN = jnp.zeros((E, N), bool).at[idx_Nk, jnp.arange(N)[:, None]].set(True)
-    coef_EN = jnp.zeros((E, N), jnp.float32).at[idx_Nk, jnp.arange(N)[:, None]].set(weights_Nk)
-    in_use = routed_EN.any(1)
-    steps = min(E, idx_Nk.size)
-    experts = jnp.nonzero(in_use, size=steps, fill_value=0)[0].astype(jnp.int32)
-
-    def through(e):
-        wg, wu, wd = (jax.lax.dynamic_index_in_dim(w, e, keepdims=False) for w in (w_gate, w_up, w_down))
-        y_ND = dots.matmul(jax.nn.silu(dots.matmul(x_ND, wg)) * dots.matmul(x_ND, wu), wd)
-        with jax.named_scope(COMBINE_SCOPE):           # only tokens routed here add
-            return jnp.where(routed_EN[e][:, None], y_ND.astype(jnp.float32) * coef_EN[e][:, None], 0.0)
-
-    def step(acc_ND, i):
-        add = jax.lax.cond(i < in_use.sum(), through, lambda e: jnp.zeros((N, D), jnp.float32), experts[i])
-        with jax.named_scope(COMBINE_SCOPE):
-            return acc_ND + add, None
-
-    acc, _ = jax.lax.scan(step, jnp.zeros((N, D), jnp.float32), jnp.arange(steps))
-    return acc.astype(x_ND.dtype)
-
-
-def _every_expert(x_ND, idx_Nk, w_gate, w_up, w_down):
-    """Every token through every expert as one [E, N, D] batched GEMM against the weights as
-    stored, then each assignment's row picked: [N, k, D]. For a few tokens that between them
-    choose most experts (N*k >= E), where one read of all the weights is the cost."""
-    N, D = x_ND.shape
-    E = w_gate.shape[0]
-    y_END = _swiglu_grouped(jnp.broadcast_to(x_ND, (E, N, D)), w_gate, w_up, w_down)
-    return y_END.reshape(E * N, D)[idx_Nk * N + jnp.arange(N, dtype=jnp.int32)[:, None]]
-
-
 FEW_TOKENS = 16      # up to this many tokens, the bucketed back end skips the sort and buckets
-
-
-COMBINE_SCOPE = "expert_combine"     # jax.named_scope of the float32 weighted sum of expert outputs
-
-
-def _combine(y_NkD, weights_Nk, dtype):
-    """sum_j weights[n,j] * y[n,j] in float32 (one fused gather-multiply-sum), cast to dtype."""
-    with jax.named_scope(COMBINE_SCOPE):
-        return (y_NkD.astype(jnp.float32) * weights_Nk[:, :, None]).sum(1).astype(dtype)
 
 
 def _experts_ragged(x_AD, counts, w_gate, w_up, w_down):
@@ -357,10 +302,10 @@ def _sorted_rows(x_src, k, plan: SortedRows, expected_rows: int, impl: str, w) -
 def routed_experts(p, x_ND, weights_Nk, idx_Nk, impl: str | None = None):
     """sum_j weights[n,j] * Expert_{idx[n,j]}(x[n]) for every token, exactly. [N,D].
 
-    ``"bucketed"``: up to FEW_TOKENS tokens (decode) run through every expert when they have
-    at least E assignments (:func:`_every_expert`), else loop over the experts in use
-    (:func:`_experts_in_use`); more tokens run in buckets (:func:`bucket_layout`) when the
-    routing fits them, else tiled (``lax.cond``: one branch executes)."""
+    ``"bucketed"``: up to FEW_TOKENS tokens (decode) loop over the experts in use or run through
+    every expert, whichever costs less (:func:`pdjax.model.moe_decode.few_tokens`); more tokens
+    run in buckets (:func:`bucket_layout`) when the routing fits them, else tiled (``lax.cond``:
+    one branch executes)."""
     impl = _check_impl(impl)
     N, D = x_ND.shape
     k = idx_Nk.shape[1]
@@ -370,10 +315,8 @@ def routed_experts(p, x_ND, weights_Nk, idx_Nk, impl: str | None = None):
         order, _, counts = sort_assignments(idx_Nk, E)
         y_sorted = _experts_ragged(x_ND[order // k], counts, *w)
         y_NkD = jnp.zeros_like(y_sorted).at[order].set(y_sorted, unique_indices=True).reshape(N, k, D)
-    elif impl == "bucketed" and N <= FEW_TOKENS and N * k >= E:
-        y_NkD = _every_expert(x_ND, idx_Nk, *w)
     elif impl == "bucketed" and N <= FEW_TOKENS:
-        return _experts_in_use(x_ND, weights_Nk, idx_Nk, *w)
+        return few_tokens(x_ND, weights_Nk, idx_Nk, *w)
     else:
         y_NkD = _sorted_rows(x_ND, k, SortedRows(idx_Nk.reshape(-1), E), N * k, impl, w).reshape(N, k, D)
     return _combine(y_NkD, weights_Nk, x_ND.dtype)

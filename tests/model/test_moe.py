@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import pdjax
-from pdjax.model import moe
+from pdjax.model import moe, moe_decode
 
 
 def numpy_gate(x, router, bias, cfg):
@@ -162,13 +162,18 @@ def test_bucketed_dispatch_exact_in_every_branch(case):
     np.testing.assert_allclose(got, loop_reference(p, x, w, idx), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("step_bytes", [0, 1 << 40], ids=["loop", "every"])
 @pytest.mark.parametrize("E,n,k", [(8, moe.FEW_TOKENS, 3), (64, 4, 2)])
-def test_few_tokens_paths_are_exact(E, n, k):
-    """Up to FEW_TOKENS tokens (decode) the bucketed back end runs every token through every
-    expert (n*k >= E) or loops over the experts in use (n*k < E): either way an expert a token
-    did not choose adds nothing to it, even where its output for that token overflows to inf
-    (token 0 through expert X here), and an expert nobody chose adds nothing, even with NaN
-    weights."""
+def test_few_tokens_paths_are_exact(E, n, k, step_bytes, monkeypatch):
+    """Up to FEW_TOKENS tokens (decode) the bucketed back end loops over the experts in use or
+    runs every token through every expert, by cost (moe_decode.few_tokens); the cost of a loop
+    step is set here to force each: 0 loops (for E=8 through the run-time ``lax.cond``, 7 of
+    8 experts in use; for E=64 statically), 2^40 runs every expert. Either way an expert a
+    token did not choose adds nothing to it, even where its output for that token overflows
+    to inf (token 0 through expert X here), and an expert nobody chose adds nothing, even with
+    NaN weights."""
+    monkeypatch.setattr(moe_decode, "LOOP_STEP_BYTES", step_bytes)
+    bucketed = jax.jit(lambda p, x, w, idx: moe.routed_experts(p, x, w, idx, impl="bucketed"))  # traced anew
     D, F = 12, 6
     r = np.random.RandomState(5)
     p = _expert_params(E, D, F, 4)
@@ -184,8 +189,18 @@ def test_few_tokens_paths_are_exact(E, n, k):
     for w in p_nan.values():
         w[E - 1] = np.nan
     w = r.rand(n, k).astype(np.float32)
-    got = _bucketed(jax.tree.map(jnp.asarray, p_nan), jnp.asarray(x), jnp.asarray(w), jnp.asarray(idx, jnp.int32))
+    got = bucketed(jax.tree.map(jnp.asarray, p_nan), jnp.asarray(x), jnp.asarray(w), jnp.asarray(idx, jnp.int32))
     np.testing.assert_allclose(got, loop_reference(p, x, w, idx), atol=1e-5, rtol=1e-5)
+
+
+def test_few_tokens_choice_follows_the_bytes():
+    """The decode path by cost: the benchmark's wide layer (64 experts of 1024x256, float32)
+    with 38 in use loops (38 x (3 + 1) MiB < 64 x 3 MiB), its small one (16 of 512x256) with
+    10 in use runs every expert (10 x 2.5 MiB > 16 x 1.5 MiB); bfloat16 always loops."""
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    assert moe_decode.loop_is_cheaper(38, 64, 3 * 1024 * 256 * 4, f32)
+    assert not moe_decode.loop_is_cheaper(10, 16, 3 * 512 * 256 * 4, f32)
+    assert moe_decode.loop_is_cheaper(16, 16, 3 * 512 * 256 * 2, bf16) is True
 
 
 def test_bucket_layout_bound():
