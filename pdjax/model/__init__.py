@@ -1,12 +1,13 @@
 """Pure-functional DeepSeek-V2/V3 model code (MLA, MoE, latent KV cache, HF loading).
 
 Modules (imported on first use): ``mla``, ``moe``, ``transformer``, ``cache``, ``paged``, ``hf``,
-``initializers``, ``layer_scan``, ``dots``.
+``initializers``, ``layer_scan``, ``dots``, ``moe_decode``.
 """
 
 import importlib
 
-MODULES = ("cache", "dots", "hf", "initializers", "layer_scan", "mla", "moe", "paged", "transformer")
+MODULES = ("cache", "dots", "hf", "initializers", "layer_scan", "mla", "moe", "moe_decode", "paged",
+           "transformer")
 
 
 def __getattr__(name):
