@@ -1,4 +1,5 @@
-"""The DeepSeek-V2/V3 decoder: params, forward, prefill, decode_step, generate.
+"""The DeepSeek-V2/V3 decoder: forward, prefill, decode_step, generate (their params from
+:mod:`pdjax.model.params`, their input checks in :mod:`pdjax.model.checks`).
 
 Params are a plain dict pytree::
 
@@ -21,8 +22,8 @@ the weighted sum of the experts' outputs, and the logits (accumulated and return
 float32). New latents are rounded to the cache dtype when written and read back in the
 compute dtype.
 
-Every public function validates its inputs on the host and raises ValueError before any
-compute; the jitted cores below take the config as a static argument. Host inputs (numpy,
+Every public function validates its inputs on the host (:mod:`pdjax.model.checks`) and raises
+ValueError before any compute; the jitted cores below take the config as a static argument. Host inputs (numpy,
 lists) are checked in full; device arrays (jax.Array) for shape and dtype only, and a cache's
 bounds against the lengths the host recorded for it (:func:`pdjax.model.cache.host_lengths`):
 no check fetches a device value, so a loop of ``decode_step`` calls feeding back device
@@ -37,58 +38,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pdjax.config import PARAM_DTYPES, ModelConfig, dtype_name
+from pdjax.config import ModelConfig
 from pdjax.model import layer_scan, mla
 from pdjax.model import moe as moe_lib
 from pdjax.model.cache import KVCache, host_lengths, remember_lengths, to_cache_dtype, write_rows
-from pdjax.model.initializers import scaled_normal
-
-
-# ---- params -----------------------------------------------------------------------------
-
-def _init(cfg: ModelConfig, key, dtype) -> dict:
-    D, V = cfg.hidden_size, cfg.vocab_size
-    k_embed, k_head, k_layers = jax.random.split(key, 3)
-    layers = []
-    for i, k in enumerate(jax.random.split(k_layers, cfg.num_hidden_layers)):
-        k_attn, k_ffn = jax.random.split(k)
-        layer = {"attn_norm": jnp.ones((D,), dtype), "attn": mla.init_attention(cfg, k_attn, dtype),
-                 "ffn_norm": jnp.ones((D,), dtype)}
-        if cfg.is_moe_layer(i):
-            layer["moe"] = moe_lib.init_moe(cfg, k_ffn, dtype)
-        else:
-            layer["mlp"] = moe_lib.init_mlp(k_ffn, D, cfg.intermediate_size, dtype)
-        layers.append(layer)
-    return {
-        "embed": jax.random.normal(k_embed, (V, D), jnp.float32).astype(dtype),
-        "layers": layers,
-        "final_norm": jnp.ones((D,), dtype),
-        "lm_head": scaled_normal(k_head, (D, V), D ** -0.5, dtype),
-    }
-
-
-def init_params(cfg: ModelConfig, key, dtype=None, *, mesh=None, rules=None) -> dict:
-    """Random params (normal, std 1/sqrt(fan_in); norms 1; router bias 0, float32).
-
-    ``dtype``: default ``cfg.param_dtype``. ``mesh`` (a jax.sharding.Mesh, with optional
-    :class:`pdjax.parallel.ShardingRules`): the params are made directly in the placement
-    :func:`pdjax.parallel.shard_params` gives (one jit with ``out_shardings``: each device
-    computes only its shards) and equal the unsharded init bit for bit.
-    """
-    if not isinstance(cfg, ModelConfig):
-        raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
-    dtype = jnp.dtype(cfg.param_dtype if dtype is None else dtype_name(dtype, "init_params dtype", PARAM_DTYPES))
-    if mesh is None:
-        return _init(cfg, key, dtype)
-    from pdjax.parallel.mesh import param_shardings
-
-    make = functools.partial(_init, cfg, dtype=dtype)
-    shardings = param_shardings(jax.eval_shape(make, key), cfg, mesh, rules)
-    return jax.jit(make, out_shardings=shardings)(key)
-
-
-def param_dtype(params) -> jnp.dtype:
-    return params["embed"].dtype
+from pdjax.model.checks import check_layers, check_lengths, check_tokens, is_tracer, on_device
+# init_params and param_dtype live in pdjax.model.params; importable here, where callers look
+from pdjax.model.params import init_params, param_dtype  # noqa: F401
 
 
 # ---- one layer ----------------------------------------------------------------------------
@@ -278,59 +234,6 @@ def _greedy_loop(params, cfg, first_B, cache, steps, moe_impl=None):
     return (toks.T, cache), stats.sum(0)
 
 
-# ---- validation ----------------------------------------------------------------------------
-
-def _is_tracer(x) -> bool:
-    return isinstance(x, jax.core.Tracer)
-
-
-def _on_device(x) -> bool:
-    """A concrete jax.Array: reading its values would copy them to the host and wait for them."""
-    return isinstance(x, jax.Array) and not _is_tracer(x)
-
-
-def check_tokens(cfg: ModelConfig, tokens, ndim: int, name: str = "tokens"):
-    """Shape and dtype checks, and for host inputs the range of the ids; returns int32 tokens
-    (a device array stays on its devices and its ids are not range-checked: that would fetch
-    them and wait for the computation that makes them)."""
-    if _is_tracer(tokens):
-        return tokens
-    device = _on_device(tokens)
-    arr = tokens if device else np.asarray(tokens)
-    if arr.ndim != ndim:
-        raise ValueError(f"{name} must have {ndim} dims, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise TypeError(f"{name} must be integer token ids, got dtype {arr.dtype}")
-    if 0 in arr.shape:
-        raise ValueError(f"{name} is empty (shape {arr.shape})")
-    if device:
-        return arr if arr.dtype == jnp.int32 else arr.astype(jnp.int32)
-    lo, hi = int(arr.min()), int(arr.max())
-    if lo < 0 or hi >= cfg.vocab_size:
-        bad = lo if lo < 0 else hi
-        raise ValueError(f"{name} holds token id {bad}, outside [0, vocab_size={cfg.vocab_size})")
-    return jnp.asarray(arr, jnp.int32)
-
-
-def check_layers(params, cfg: ModelConfig, cache=None, moe_impl=None) -> None:
-    """Host-side: the params' layer form (per-layer or stacked per run, see
-    :mod:`pdjax.model.layer_scan`) agrees with ``cfg``, the cache's form and ``moe_impl``."""
-    if not layer_scan.is_stacked(params):
-        if isinstance(cache, layer_scan.StackedKVCache):
-            raise ValueError("a StackedKVCache needs stacked params (pdjax.stack_layers); "
-                             "per-layer params take a KVCache (StackedKVCache.unstacked())")
-        return
-    layer_scan.check_stacked(params, cfg)
-    if cache is not None and not isinstance(cache, layer_scan.StackedKVCache):
-        raise ValueError(f"stacked params need a StackedKVCache, got {type(cache).__name__} "
-                         "(pdjax.model.layer_scan.stack_cache converts a KVCache)")
-    if cache is not None and cache.num_layers != cfg.num_hidden_layers:
-        raise ValueError(f"cache holds {cache.num_layers} layers, cfg.num_hidden_layers={cfg.num_hidden_layers}")
-    if hasattr(moe_impl, "run_layers"):
-        raise ValueError(f"moe_impl {type(moe_impl).__name__} runs its own layer loop over per-layer "
-                         "params; stacked params cannot use it (unstack_layers first)")
-
-
 # ---- public API ----------------------------------------------------------------------------
 
 def _place(x, batch_sharding):
@@ -362,28 +265,11 @@ def forward(params, cfg: ModelConfig, tokens, *, moe_impl=None, batch_sharding=N
     """
     tokens = check_tokens(cfg, tokens, 2)
     check_layers(params, cfg, None, moe_impl)
-    if not _is_tracer(tokens) and tokens.shape[1] > cfg.max_position_embeddings:
+    if not is_tracer(tokens) and tokens.shape[1] > cfg.max_position_embeddings:
         raise ValueError(f"sequence length {tokens.shape[1]} exceeds "
                          f"max_position_embeddings={cfg.max_position_embeddings}")
     logits, stats = _forward(params, cfg, _place(tokens, batch_sharding), moe_impl)
     return _finish(logits, stats, moe_impl, return_stats, "forward")
-
-
-def _check_lengths(lengths, B: int, T: int):
-    """Per-row valid tokens of a [B,T] chunk: default T; a device array is checked for shape
-    and dtype only, host values also for the range [1, T]."""
-    if lengths is None:
-        return np.full((B,), T, np.int32)
-    if _is_tracer(lengths):
-        return lengths
-    if _on_device(lengths):
-        if lengths.shape != (B,) or not np.issubdtype(lengths.dtype, np.integer):
-            raise ValueError(f"lengths must be [B={B}] integers, got shape {lengths.shape} dtype {lengths.dtype}")
-        return lengths.astype(jnp.int32)
-    lengths = np.asarray(lengths, np.int32)
-    if lengths.shape != (B,) or lengths.min() < 1 or lengths.max() > T:
-        raise ValueError(f"lengths must be [B={B}] values in [1, {T}], got {lengths.tolist()}")
-    return lengths
 
 
 def prefill(params, cfg: ModelConfig, tokens, *, max_len: int | None = None,
@@ -407,24 +293,24 @@ def prefill(params, cfg: ModelConfig, tokens, *, max_len: int | None = None,
             raise ValueError(f"prompt of {T} tokens is longer than max_len={max_len}")
         if max_len > cfg.max_position_embeddings:
             raise ValueError(f"max_len={max_len} exceeds max_position_embeddings={cfg.max_position_embeddings}")
-        lengths = _check_lengths(lengths, B, T)
+        lengths = check_lengths(lengths, B, T)
         out, stats = _prefill_fresh(params, cfg, _place(tokens, batch_sharding),
                                     _place(jnp.asarray(lengths), batch_sharding), max_len, absorbed, moe_impl)
-        if not _on_device(lengths):
+        if not on_device(lengths):
             remember_lengths(out[1].lengths, lengths)
         return _finish(out, stats, moe_impl, return_stats, "prefill")
     if max_len is not None and max_len != cache.max_len:
         raise ValueError(f"max_len={max_len} disagrees with the given cache ({cache.max_len})")
     if cache.batch != B:
         raise ValueError(f"tokens batch {B} does not match cache batch {cache.batch}")
-    lengths = _check_lengths(lengths, B, T)
+    lengths = check_lengths(lengths, B, T)
     start = host_lengths(cache.lengths)           # None: a device array the host has no copy of
     if start is not None and start.max() + T > cache.max_len:
         raise ValueError(f"prompt of {T} tokens after a cached prefix of "
                          f"{int(start.max())} exceeds max_len={cache.max_len}")
     out, stats = _prefill(params, cfg, _place(tokens, batch_sharding), cache,
                           _place(jnp.asarray(lengths), batch_sharding), absorbed, moe_impl)
-    if start is not None and not _on_device(lengths):
+    if start is not None and not on_device(lengths):
         remember_lengths(out[1].lengths, start + lengths)
     return _finish(out, stats, moe_impl, return_stats, "prefill")
 
