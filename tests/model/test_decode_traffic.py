@@ -57,7 +57,8 @@ def measured():
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import test_decode_traffic as t; "
             "print(json.dumps({n: t.traffic(n) for n in t.SHAPES}))")
     out = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__)], env=env, capture_output=True,
-                         text=True, timeout=300, check=True)
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
