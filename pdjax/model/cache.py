@@ -144,10 +144,17 @@ def write_rows(kv_BSL, new_BTL, start_B, layer=None):
     cache per layer)."""
     new_BTL = to_cache_dtype(new_BTL, kv_BSL.dtype)
     lead = () if layer is None else (layer,)
+    # XLA:CPU updates a narrow float array (bf16, f16, fp8) on a float32 copy of the whole
+    # array, once per row: the loop writes the bits as unsigned integers instead (exact),
+    # which costs one copy of the cache at each reinterpretation (bf16, B=64, 1K: 24 -> 2.6 ms).
+    bits = jnp.dtype(f"uint{8 * kv_BSL.dtype.itemsize}") if kv_BSL.dtype.itemsize < 4 else None
+    buf, new = (kv_BSL, new_BTL) if bits is None else (jax.lax.bitcast_convert_type(a, bits)
+                                                      for a in (kv_BSL, new_BTL))
 
     def row(b, kv):
-        rows = jax.lax.dynamic_slice_in_dim(new_BTL, b, 1)
+        rows = jax.lax.dynamic_slice_in_dim(new, b, 1)
         return jax.lax.dynamic_update_slice(kv, rows.reshape((1,) * len(lead) + rows.shape),
                                             lead + (b, start_B[b], 0))
     trips = new_BTL.shape[0] + jnp.minimum(start_B[0], 0)
-    return jax.lax.fori_loop(0, trips, row, kv_BSL)
+    out = jax.lax.fori_loop(0, trips, row, buf)
+    return out if bits is None else jax.lax.bitcast_convert_type(out, kv_BSL.dtype)

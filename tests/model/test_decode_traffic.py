@@ -8,11 +8,13 @@ program users do not run."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import pdjax
@@ -84,3 +86,25 @@ def test_many_heads_decode_bytes_within_the_unfused_bound(measured):
     rows = cfg.num_hidden_layers * batch * cfg.num_attention_heads * 4      # float32 bytes per column
     e, per_head = rows * length, rows * cfg.kv_latent_dim
     assert bytes_accessed <= params + 4 * cache + 3 * e + 4 * per_head
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_narrow_cache_write_stays_in_its_dtype(dtype):
+    """A bf16 or fp8 cache's rows are written exactly, without a wider copy of the whole cache:
+    XLA:CPU runs a narrow-float dynamic_update_slice on a float32 (bf16) or float16 (fp8) copy,
+    once per row of the write loop (bf16, B=64, 1K: 24 ms instead of 2.5 ms per layer), so
+    write_rows writes the bits as unsigned integers."""
+    from pdjax.model.cache import write_rows
+    B, S, W = 4, 64, 16
+    rng = np.random.default_rng(0)
+    kv = jnp.asarray(rng.standard_normal((B, S, W)), dtype)
+    new = jnp.asarray(rng.standard_normal((B, 1, W)), jnp.float32)
+    starts = jnp.asarray([0, 5, 63, 10], jnp.int32)
+    want = np.asarray(kv).copy()
+    want[np.arange(B), np.asarray(starts)] = np.asarray(new[:, 0].astype(dtype))
+    write = jax.jit(write_rows, donate_argnums=0)
+    hlo = write.lower(kv, new, starts).compile().as_text()
+    whole = set(re.findall(rf"(\w+)\[{B},{S},{W}\]", hlo))      # every array of the cache's shape
+    assert whole <= {"bf16", "f8e4m3fn", "u16", "u8"} and len(whole - {"u16", "u8"}) == 1, whole
+    got = write(kv, new, starts)
+    assert np.array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
