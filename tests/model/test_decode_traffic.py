@@ -108,3 +108,24 @@ def test_narrow_cache_write_stays_in_its_dtype(dtype):
     assert whole <= {"bf16", "f8e4m3fn", "u16", "u8"} and len(whole - {"u16", "u8"}) == 1, whole
     got = write(kv, new, starts)
     assert np.array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_narrow_paged_write_stays_in_its_dtype(dtype):
+    """The same for the paged cache's block pool (a scatter, which XLA:CPU also runs on a wider
+    copy of the whole pool for a narrow float: bf16 [1024, 64, 144], 64 rows: 23.8 -> 2.5 ms)."""
+    from pdjax.model.paged import _write
+    NB, bs, W = 8, 4, 16
+    rng = np.random.default_rng(0)
+    pool = jnp.asarray(rng.standard_normal((NB, bs, W)), dtype)
+    tables = jnp.asarray([[3, 1], [0, 6]], jnp.int32)
+    new = jnp.asarray(rng.standard_normal((2, 1, W)), jnp.float32)
+    starts = jnp.asarray([5, 2], jnp.int32)                      # block 1 row 1; block 0 row 2
+    want = np.asarray(pool).copy()
+    want[[1, 0], [1, 2]] = np.asarray(new[:, 0].astype(dtype))
+    write = jax.jit(_write, donate_argnums=0)
+    hlo = write.lower(pool, tables, new, starts).compile().as_text()
+    whole = set(re.findall(rf"(\w+)\[{NB},{bs},{W}\]", hlo))
+    assert whole <= {"bf16", "f8e4m3fn", "u16", "u8"} and len(whole - {"u16", "u8"}) == 1, whole
+    got = write(pool, tables, new, starts)
+    assert np.array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
