@@ -88,6 +88,15 @@ def test_many_heads_decode_bytes_within_the_unfused_bound(measured):
     assert bytes_accessed <= params + 4 * cache + 3 * e + 4 * per_head
 
 
+def _written_in_place_and_exact(write, args, shape, want):
+    """``write`` (jitted) keeps every array of the buffer's ``shape`` in the buffer's dtype or
+    its unsigned bits (no wider copy), and writes exactly ``want``."""
+    hlo = write.lower(*args).compile().as_text()
+    whole = set(re.findall(r"(\w+)\[" + ",".join(map(str, shape)) + r"\]", hlo))
+    assert whole <= {"bf16", "f8e4m3fn", "u16", "u8"} and len(whole - {"u16", "u8"}) == 1, whole
+    assert np.array_equal(np.asarray(write(*args)).view(np.uint8), want.view(np.uint8))
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
 def test_narrow_cache_write_stays_in_its_dtype(dtype):
     """A bf16 or fp8 cache's rows are written exactly, without a wider copy of the whole cache:
@@ -102,12 +111,7 @@ def test_narrow_cache_write_stays_in_its_dtype(dtype):
     starts = jnp.asarray([0, 5, 63, 10], jnp.int32)
     want = np.asarray(kv).copy()
     want[np.arange(B), np.asarray(starts)] = np.asarray(new[:, 0].astype(dtype))
-    write = jax.jit(write_rows, donate_argnums=0)
-    hlo = write.lower(kv, new, starts).compile().as_text()
-    whole = set(re.findall(rf"(\w+)\[{B},{S},{W}\]", hlo))      # every array of the cache's shape
-    assert whole <= {"bf16", "f8e4m3fn", "u16", "u8"} and len(whole - {"u16", "u8"}) == 1, whole
-    got = write(kv, new, starts)
-    assert np.array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
+    _written_in_place_and_exact(jax.jit(write_rows, donate_argnums=0), (kv, new, starts), (B, S, W), want)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
@@ -123,9 +127,18 @@ def test_narrow_paged_write_stays_in_its_dtype(dtype):
     starts = jnp.asarray([5, 2], jnp.int32)                      # block 1 row 1; block 0 row 2
     want = np.asarray(pool).copy()
     want[[1, 0], [1, 2]] = np.asarray(new[:, 0].astype(dtype))
-    write = jax.jit(_write, donate_argnums=0)
-    hlo = write.lower(pool, tables, new, starts).compile().as_text()
-    whole = set(re.findall(rf"(\w+)\[{NB},{bs},{W}\]", hlo))
-    assert whole <= {"bf16", "f8e4m3fn", "u16", "u8"} and len(whole - {"u16", "u8"}) == 1, whole
-    got = write(pool, tables, new, starts)
-    assert np.array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
+    _written_in_place_and_exact(jax.jit(_write, donate_argnums=0), (pool, tables, new, starts), (NB, bs, W), want)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_narrow_pool_insert_stays_in_its_dtype(dtype):
+    """The same for the decode pool's insert of a prefilled request's rows into its shard."""
+    from pdjax.disagg.decode import _insert_rows
+    NB, bs, W = 8, 4, 16
+    rng = np.random.default_rng(0)
+    shard = jnp.asarray(rng.standard_normal((1, NB, bs, W)), dtype)
+    rows = jnp.asarray(rng.standard_normal((3, W)), jnp.float32)
+    index = jnp.asarray([[2, 2, 5], [0, 1, 3]], jnp.int32)          # (block, offset) per row
+    want = np.asarray(shard).copy()
+    want[0, [2, 2, 5], [0, 1, 3]] = np.asarray(rows.astype(dtype))
+    _written_in_place_and_exact(_insert_rows, (shard, rows, index), (1, NB, bs, W), want)
