@@ -1,6 +1,6 @@
-"""Test set-up: 8 simulated CPU devices, XLA:CPU's LLVM back end at -O0 and the persistent
-compilation cache (all set in the environment before jax initialises, so child processes get
-them too), and float32 matmuls at full precision."""
+"""Test set-up: 8 simulated CPU devices, XLA:CPU's LLVM back end at -O0 with its elemental
+fusion emitter, and the persistent compilation cache (all set in the environment before jax
+initialises, so child processes get them too), and float32 matmuls at full precision."""
 
 import gc
 import os
@@ -16,9 +16,11 @@ if "xla_force_host_platform_device_count" not in flags:
 # the default level. Set XLA_FLAGS with another level to override.
 if "xla_backend_optimization_level" not in flags:
     flags += " --xla_backend_optimization_level=0"
-# Likewise XLA:CPU's older (elemental) fusion code generator instead of the MLIR fusion
-# emitters: the same fused HLO, emitted about 40 % faster (tiny forward + prefill + decode +
-# EP forward: 4.3 -> 2.6 s of compile).
+# And XLA:CPU's older (elemental) fusion code generator instead of the MLIR fusion emitters:
+# about 40 % less compile (tiny forward + prefill + decode + EP forward: 4.3 -> 2.6 s). Its
+# fusion decisions differ a little (353 vs 413 fusions on a tiny decode + forward), so tests
+# that measure the compiled program's traffic (tests/model/test_decode_traffic.py) compile in
+# a child process with XLA's default flags.
 if "xla_cpu_use_fusion_emitters" not in flags:
     flags += " --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = flags
