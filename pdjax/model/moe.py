@@ -9,8 +9,9 @@ the outputs; XLA:CPU runs scatters as serial loops). Three exact back ends:
   * ``"bucketed"`` (XLA:CPU default): base buckets [E, C, D], C = ceil(1.125 A/E), run as one
     batched GEMM against the weights as stored, plus H = ceil(E/4) overflow buckets of
     C2 = ceil(A/(8H)) rows for the most loaded experts (their weights gathered): <= 1.25 A + E + H
-    rows in all. ``lax.cond`` runs the tiled path instead when more than H experts exceed C or
-    one exceeds C + C2. Up to FEW_TOKENS tokens (decode) skip the sort: a loop over the experts
+    rows in all. ``lax.cond`` runs a loop instead when more than H experts exceed C or one
+    exceeds C + C2: each expert's rows in tiles of C rows, one tile a step against its expert's
+    weights read in place (exact for any routing, no copies of the weights). Up to FEW_TOKENS tokens (decode) skip the sort: a loop over the experts
     in use, each read once, or every token through every expert, whichever costs less for the
     experts in use (:mod:`pdjax.model.moe_decode`);
   * ``"tiled"``: each expert's rows are padded to a multiple of a tile of T rows, every tile
@@ -197,12 +198,12 @@ def _gather(x_XD, index_S):
     return jnp.take(x_XD, index_S, axis=0, mode="fill", fill_value=0)
 
 
-def _tiled_rows(x_src, k, plan: SortedRows, w_gate, w_up, w_down):
-    """Each expert's rows padded to tiles of T rows (:func:`tile_rows`), one expert per tile,
-    the tiles one batched GEMM against their experts' weights (gathered per tile); a static
-    num_tiles(R, E, T) tiles fit any routing. Returns every row's output [R, D] (0: empty)."""
-    R, E, D = plan.R, plan.E, x_src.shape[1]
-    T = tile_rows(R, E)
+def _tiles(plan: SortedRows, T: int):
+    """Each expert's rows in tiles of T rows, one expert per tile, in expert order, for a static
+    G = num_tiles(R, E, T) tiles that fit any routing. Returns (tile_expert [G], tiles in use
+    (traced), row_S [G*T]: the row each slot holds, R where unused, slot_R [R]: each row's slot,
+    G*T for an empty row)."""
+    R, E = plan.R, plan.E
     G = num_tiles(R, E, T)
     tiles_e = (plan.counts + T - 1) // T
     tile_end = jnp.cumsum(tiles_e)
@@ -211,10 +212,43 @@ def _tiled_rows(x_src, k, plan: SortedRows, w_gate, w_up, w_down):
     expert_S = jnp.repeat(tile_expert, T)
     rank_S = (jnp.arange(G * T, dtype=jnp.int32) - first_tile[expert_S] * T)
     row_S = plan.rows_in(expert_S, rank_S, rank_S < plan.counts[expert_S])
-    x_GTD = _gather(x_src, row_S // k).reshape(G, T, D)
-    y_SD = _swiglu_grouped(x_GTD, w_gate[tile_expert], w_up[tile_expert], w_down[tile_expert]).reshape(G * T, D)
     slot_R = jnp.where(plan.real, first_tile[jnp.minimum(plan.expert, E - 1)] * T + plan.rank, G * T)
-    return _gather(y_SD, slot_R)
+    return tile_expert, tile_end[-1], row_S, slot_R
+
+
+def _tiled_rows(x_src, k, plan: SortedRows, w_gate, w_up, w_down):
+    """Each expert's rows padded to tiles of T rows (:func:`tile_rows`, :func:`_tiles`), the
+    tiles one batched GEMM against their experts' weights (gathered per tile: G copies of an
+    expert's matrices). Returns every row's output [R, D] (0: empty)."""
+    T, D = tile_rows(plan.R, plan.E), x_src.shape[1]
+    tile_expert, _, row_S, slot_R = _tiles(plan, T)
+    x_GTD = _gather(x_src, row_S // k).reshape(-1, T, D)
+    y_GTD = _swiglu_grouped(x_GTD, w_gate[tile_expert], w_up[tile_expert], w_down[tile_expert])
+    return _gather(y_GTD.reshape(-1, D), slot_R)
+
+
+def _looped_rows(x_src, k, plan: SortedRows, T: int, w_gate, w_up, w_down):
+    """The bucketed back end's fallback, exact for any routing: each expert's rows in tiles of
+    T rows (:func:`_tiles`), one tile a step of a loop (``lax.scan`` over the G tiles a routing
+    can need, those past the tiles in use skipped by ``lax.cond``, so it differentiates), each
+    step one [T, D] GEMM per matrix against its expert's weights, read in place by a dynamic
+    index. Unlike :func:`_tiled_rows` no [G, D, F] copies of the weights are made: the program's
+    memory is the rows, not G experts' weights (2.5 GB of float32 temporaries, mostly never
+    touched, for an 8x256-token prefill of 64 experts top-6 at D=1024, F=256). Returns every
+    row's output [R, D] (0: empty)."""
+    D = x_src.shape[1]
+    tile_expert, in_use, row_S, slot_R = _tiles(plan, T)
+    x_GTD = _gather(x_src, row_S // k).reshape(-1, T, D)
+
+    def tile(g, e, x_TD):
+        w = (jax.lax.dynamic_index_in_dim(m, e, keepdims=False) for m in (w_gate, w_up, w_down))
+        return swiglu(x_TD, *w)
+
+    def step(_, g_e_x):
+        return None, jax.lax.cond(g_e_x[0] < in_use, tile, lambda *_: jnp.zeros((T, D), x_src.dtype), *g_e_x)
+
+    _, y_GTD = jax.lax.scan(step, None, (jnp.arange(x_GTD.shape[0], dtype=jnp.int32), tile_expert, x_GTD))
+    return _gather(y_GTD.reshape(-1, D), slot_R)
 
 
 BASE_FACTOR = 1.125       # base bucket rows per expert, x the mean load A/E
@@ -290,13 +324,14 @@ def _expert_weights(p, dtype) -> tuple:
 
 def _sorted_rows(x_src, k, plan: SortedRows, expected_rows: int, impl: str, w) -> jax.Array:
     """Every row's output [R, D] through the tiled back end, or the bucketed one (buckets sized
-    for ``expected_rows``) when the routing fits its layout, else tiled (``lax.cond``)."""
+    for ``expected_rows``) when the routing fits its layout, else a loop over tiles of C rows
+    (:func:`_looped_rows`; ``lax.cond``: one branch runs)."""
     if impl == "tiled":
         return _tiled_rows(x_src, k, plan, *w)
     C, H, C2 = bucket_layout(expected_rows, plan.E)
     return jax.lax.cond(bucket_fits(plan, C, H, C2),
                         lambda: _bucketed_rows(x_src, k, plan, C, H, C2, *w),
-                        lambda: _tiled_rows(x_src, k, plan, *w))
+                        lambda: _looped_rows(x_src, k, plan, C, *w))
 
 
 def routed_experts(p, x_ND, weights_Nk, idx_Nk, impl: str | None = None):
@@ -304,8 +339,8 @@ def routed_experts(p, x_ND, weights_Nk, idx_Nk, impl: str | None = None):
 
     ``"bucketed"``: up to FEW_TOKENS tokens (decode) loop over the experts in use or run through
     every expert, whichever costs less (:func:`pdjax.model.moe_decode.few_tokens`); more tokens
-    run in buckets (:func:`bucket_layout`) when the routing fits them, else tiled (``lax.cond``:
-    one branch executes)."""
+    run in buckets (:func:`bucket_layout`) when the routing fits them, else through the loop over
+    tiles (:func:`_looped_rows`; ``lax.cond``: one branch executes)."""
     impl = _check_impl(impl)
     N, D = x_ND.shape
     k = idx_Nk.shape[1]
@@ -329,7 +364,7 @@ def experts_for_rows(p, rows_RD, ids_R, expected_rows: int, impl: str | None = N
 
     The bucketed back end sizes its buckets by ``expected_rows``, not R (:func:`bucket_layout`),
     and leaves the empty rows out, so the work follows the real rows; when the routing does not
-    fit them, the tiled path runs over the real rows (statically sized for all R): exact
+    fit them, the loop over tiles runs over the real rows (statically sized for all R): exact
     whatever the routing. Other back ends run over all R rows, the empty ones weighted 0."""
     E = p["w_gate"].shape[0]
     impl = _check_impl(impl)
