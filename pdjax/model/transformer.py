@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pdjax.config import ModelConfig
-from pdjax.model import layer_scan, mla
+from pdjax.model import dots, layer_scan, mla
 from pdjax.model import moe as moe_lib
 from pdjax.model.cache import KVCache, host_lengths, remember_lengths, to_cache_dtype, write_rows
 from pdjax.model.checks import check_layers, check_lengths, check_tokens, is_tracer, on_device
@@ -122,7 +122,7 @@ def head(params, cfg: ModelConfig, x):
     """Final RMSNorm and the LM head in the compute dtype, accumulated in float32: logits
     [..., V] float32."""
     x = mla.rms_norm(x.astype(cfg.compute_dtype), params["final_norm"], cfg.rms_norm_eps)
-    return jnp.matmul(x, params["lm_head"].astype(x.dtype), preferred_element_type=jnp.float32)
+    return dots.einsum_f32("...D,DV->...V", x, params["lm_head"].astype(x.dtype))
 
 
 # ---- jitted cores ------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import pdjax
-from pdjax.model import transformer
+from pdjax.model import dots, transformer
 
 TARGET = 3.0
 
@@ -29,6 +29,8 @@ SHAPES = {
     "b1_8k":  (dict(num_attention_heads=4, kv_lora_rank=128, qk_rope_head_dim=32), 1, 8192),
     "h128":   (dict(num_attention_heads=128, kv_lora_rank=32, qk_rope_head_dim=16, num_hidden_layers=2,
                     first_k_dense_replace=2), 8, 1024),
+    "b1_bf16": (dict(num_attention_heads=4, kv_lora_rank=128, qk_rope_head_dim=32, num_hidden_layers=2,
+                     param_dtype="bfloat16", compute_dtype="bfloat16"), 1, 1024),
 }
 
 
@@ -42,14 +44,30 @@ def _nbytes(tree):
 
 
 def traffic(name):
-    """(bytes accessed, params bytes, cache bytes) of one compiled decode step of SHAPES[name]."""
+    """(bytes accessed, params bytes, cache bytes, the float32 arrays shaped like a narrow-float
+    weight) of one compiled decode step of SHAPES[name]."""
     cfg, (_, batch, length) = _cfg(name), SHAPES[name]
     params = jax.eval_shape(lambda: pdjax.init_params(cfg, jax.random.key(0)))
     cache = jax.eval_shape(lambda: pdjax.init_cache(cfg, batch, length))
     tokens = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    cost = transformer._decode_step.lower(params, cfg, tokens, cache).compile().cost_analysis()
+    compiled = transformer._decode_step.lower(params, cfg, tokens, cache).compile()
+    cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return cost["bytes accessed"], _nbytes(params), _nbytes(cache.kv)
+    narrow = {",".join(map(str, w.shape)) for w in jax.tree.leaves(params) if w.dtype.itemsize < 4 and w.ndim == 2}
+    return cost["bytes accessed"], _nbytes(params), _nbytes(cache.kv), sorted(_materialised_f32(compiled.as_text()) & narrow)
+
+
+def _materialised_f32(hlo):
+    """Shapes of the float32 arrays a compiled program writes to memory: the results of the
+    instructions outside fusion bodies (an array inside a fusion is never stored)."""
+    fused = set(re.findall(r"calls=%([\w.\-]+)", hlo))
+    shapes, inside = set(), False
+    for line in hlo.splitlines():
+        if not line.startswith(" ") and line.rstrip().endswith("{"):
+            inside = line.split()[0].lstrip("%") in fused or line.split()[1].lstrip("%") in fused
+        elif not inside:
+            shapes.update(re.findall(r"^\s+(?:ROOT )?%\S+ = f32\[([\d,]+)\]", line))
+    return shapes
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +87,7 @@ def test_decode_bytes_within_3x_of_params_plus_cache(name, measured):
     """One dense layer, so the traffic is the attention's (the MoE's is not checked here).
     "issue": the shape of issue 14 (4.95x there; the cache dominates the ideal); "b1_8k": one
     row, where XLA fused the lone cache write into its readers (10.4x)."""
-    bytes_accessed, params, cache = measured[name]
+    bytes_accessed, params, cache, _ = measured[name]
     assert bytes_accessed / (params + cache) <= TARGET
 
 
@@ -82,10 +100,34 @@ def test_many_heads_decode_bytes_within_the_unfused_bound(measured):
     layer. Two layers: the mask and scale, the same in both, were shared [B,H,S]
     arrays, each written once and read per layer (10.0x params + cache here, now 6.2x)."""
     cfg, (_, batch, length) = _cfg("h128"), SHAPES["h128"]
-    bytes_accessed, params, cache = measured["h128"]
+    bytes_accessed, params, cache, _ = measured["h128"]
     rows = cfg.num_hidden_layers * batch * cfg.num_attention_heads * 4      # float32 bytes per column
     e, per_head = rows * length, rows * cfg.kv_latent_dim
     assert bytes_accessed <= params + 4 * cache + 3 * e + 4 * per_head
+
+
+def test_batch_one_bf16_decode_reads_weights_as_stored(measured):
+    """A one-row bf16 weight product (batch-1 decode): XLA:CPU rewrites a one-row dot as a
+    multiply and sum over a float32 copy of the weight, each call (5x the weight's bytes);
+    pdjax.model.dots runs it on two rows instead. The only float32 array shaped like a bf16
+    weight matrix that the compiled step stores is the router's (float32 by design, as in
+    transformers; [D, E], small)."""
+    cfg = _cfg("b1_bf16")
+    assert measured["b1_bf16"][3] == [f"{cfg.hidden_size},{cfg.n_routed_experts}"]
+
+
+def test_one_row_product_is_the_first_row_of_two():
+    """The padded one-row product equals the first row of the same product over two rows,
+    whatever the second row holds, and rounds the float32 result once (bf16 ulp)."""
+    r = np.random.RandomState(0)
+    w = jnp.asarray(r.randn(96, 40), jnp.bfloat16)
+    x2 = jnp.asarray(r.randn(2, 96), jnp.bfloat16)
+    one = jax.jit(lambda x, w: dots.einsum("...D,DF->...F", x, w))(x2[:1], w)
+    two = jax.jit(lambda x, w: dots.einsum("...D,DF->...F", x, w))(x2, w)
+    assert one.shape == (1, 40) and one.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(one, np.float32), np.asarray(two[:1], np.float32))
+    ref = np.asarray(x2[:1], np.float64) @ np.asarray(w, np.float64)
+    np.testing.assert_allclose(np.asarray(one, np.float64), ref, rtol=2 ** -8, atol=1e-6)
 
 
 def _written_in_place_and_exact(write, args, shape, want):
