@@ -98,6 +98,7 @@ def moe_flops_table(params, cfg, tokens, forward_bucketed, forward_ideal):
     A = N * k
     ideal = A * 6 * D * F
     layout = moe_lib.bucket_layout(A, E)
+    T = moe_lib.loop_tile_rows(layout[0])     # rows per tile of the fallback loop
     experts = {name: params["layers"][1]["moe"][name] for name in ("w_gate", "w_up", "w_down")}
     w = tuple(experts.values())
     x = jnp.zeros((N, D))
@@ -111,14 +112,14 @@ def moe_flops_table(params, cfg, tokens, forward_bucketed, forward_ideal):
 
     branch = {
         "buckets": cost(jax.jit(lambda x, i: moe_lib._bucketed_rows(x, k, plan(i), *layout, *w)), x, idx)["flops"],
-        "loop": cost(jax.jit(lambda x, i: moe_lib._looped_rows(x, k, plan(i), layout[0], *w)), x, idx)["flops"],
+        "loop": cost(jax.jit(lambda x, i: moe_lib._looped_rows(x, k, plan(i), T, *w)), x, idx)["flops"],
     }
-    one_tile = cost(jax.jit(lambda x, wg, wu, wd: moe_lib.swiglu(x, wg, wu, wd)), x[:layout[0]],
+    one_tile = cost(jax.jit(lambda x, wg, wu, wd: moe_lib.swiglu(x, wg, wu, wd)), x[:T],
                     *(m[0] for m in w))["flops"]
 
     def recorder(p, cfg_, x_, valid):       # the MoE layer as usual, recording its branch
         _, i = moe_lib.route(p, cfg_, x_, valid)
-        tiles = ((plan(i).counts + layout[0] - 1) // layout[0]).sum()    # the loop's tiles in use
+        tiles = ((plan(i).counts + T - 1) // T).sum()    # the loop's tiles in use
         moe_lib.record_stat(jnp.where(moe_lib.bucket_fits(plan(i), *layout), 0, tiles).astype(jnp.int32))
         return moe_lib.moe(p, cfg_, x_, "bucketed", valid)
 
