@@ -174,13 +174,17 @@ def test_narrow_paged_write_stays_in_its_dtype(dtype):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
 def test_narrow_pool_insert_stays_in_its_dtype(dtype):
-    """The same for the decode pool's insert of a prefilled request's rows into its shard."""
+    """The same for the decode pool's insert of a prefilled request's rows into its shard,
+    which rounds the rows as every cache write does (cache.to_cache_dtype: an out-of-range
+    value saturates in float8, where a plain cast gives NaN)."""
     from pdjax.disagg.decode import _insert_rows
+    from pdjax.model.cache import to_cache_dtype
     NB, bs, W = 8, 4, 16
     rng = np.random.default_rng(0)
     shard = jnp.asarray(rng.standard_normal((1, NB, bs, W)), dtype)
-    rows = jnp.asarray(rng.standard_normal((3, W)), jnp.float32)
+    rows = jnp.asarray(rng.standard_normal((3, W)), jnp.float32).at[1, 2].set(1e6)
     index = jnp.asarray([[2, 2, 5], [0, 1, 3]], jnp.int32)          # (block, offset) per row
     want = np.asarray(shard).copy()
-    want[0, [2, 2, 5], [0, 1, 3]] = np.asarray(rows.astype(dtype))
+    want[0, [2, 2, 5], [0, 1, 3]] = np.asarray(to_cache_dtype(rows, dtype))
+    assert np.isfinite(want.astype(np.float32)).all()
     _written_in_place_and_exact(_insert_rows, (shard, rows, index), (1, NB, bs, W), want)
