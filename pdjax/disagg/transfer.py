@@ -178,11 +178,17 @@ class KVReceiver:
         self.pulls = 0
 
     def pull(self, desc: dict, device) -> jax.Array:
+        """The offered array on ``device``. A link that breaks mid-pull (the sender's process
+        died) raises ConnectionError, as a broken control connection does, so the reader
+        treats it as the sender lost (jax raises a JaxRuntimeError)."""
         spec = jax.ShapeDtypeStruct(tuple(desc["shape"]), jnp.dtype(desc["dtype"]),
                                     sharding=jax.sharding.SingleDeviceSharding(device))
         t0 = time.perf_counter()
-        (rows,) = self.connection.pull(int(desc["uuid"]), [spec])
-        rows.block_until_ready()
+        try:
+            (rows,) = self.connection.pull(int(desc["uuid"]), [spec])
+            rows.block_until_ready()
+        except jax.errors.JaxRuntimeError as e:
+            raise ConnectionError(f"pull of uuid {desc['uuid']} failed: {e}") from e
         self.pull_seconds += time.perf_counter() - t0
         nbytes = int(rows.size) * rows.dtype.itemsize
         if nbytes != desc["nbytes"]:

@@ -88,6 +88,22 @@ def test_transfer_channel_moves_exact_rows():
         assert receiver.bytes_received == sender.bytes_offered == rows.nbytes
 
 
+def test_a_pull_from_a_dead_sender_is_a_connection_error():
+    """The transfer link breaking mid-pull (jax raises JaxRuntimeError: "Connection closed")
+    reaches the decode server's prefill reader as ConnectionError, which it handles as the
+    prefill process lost (its attempts failed and prefilled again), not as a crash of the
+    reader thread that would leave them unfinished."""
+    class Broken:
+        def pull(self, uuid, specs):
+            raise jax.errors.JaxRuntimeError("INTERNAL: SocketServer: Connection closed recv() == 0.")
+
+    receiver = KVReceiver(KVSender().address)
+    receiver.connection = Broken()
+    desc = {"uuid": 7, "shape": [2, 4], "dtype": "float32", "nbytes": 32}
+    with pytest.raises(ConnectionError, match="uuid 7"):
+        receiver.pull(desc, jax.devices()[0])
+
+
 def _row_bytes(cfg):
     return (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_hidden_layers * 4
 
