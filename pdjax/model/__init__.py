@@ -1,13 +1,13 @@
 """Pure-functional DeepSeek-V2/V3 model code (MLA, MoE, latent KV cache, HF loading).
 
 Modules (imported on first use): ``mla``, ``moe``, ``transformer``, ``cache``, ``paged``, ``hf``,
-``initializers``, ``layer_scan``, ``dots``, ``moe_decode``, ``checks``, ``params``.
+``initializers``, ``layer_scan``, ``dots``, ``moe_decode``, ``moe_dispatch``, ``checks``, ``params``.
 """
 
 import importlib
 
-MODULES = ("cache", "checks", "dots", "hf", "initializers", "layer_scan", "mla", "moe", "moe_decode", "paged",
-           "params", "transformer")
+MODULES = ("cache", "checks", "dots", "hf", "initializers", "layer_scan", "mla", "moe", "moe_decode",
+           "moe_dispatch", "paged", "params", "transformer")
 
 
 def __getattr__(name):
