@@ -11,6 +11,10 @@
 2. Bytes accessed by one ``decode_step`` (cache donated) over the ideal (all params + the
    latent cache read once), 1,024-token cache, batch 8, 16 heads. Target <= 3. For contrast,
    the same step through the naive path, which re-expands the cached latent through kv_b.
+3. Memory of a compiled prefill (XLA's ``memory_analysis``: the temporaries one call
+   allocates, against the params): 8 x 256 tokens, 64 experts top-6, hidden 1024, per MoE
+   back end. The bucketed back end's fallback (a loop over tiles) reads weights in place; the
+   tiled back end gathers an expert's matrices per tile.
 
 Run: .venv/bin/python benchmarks/model_cost.py
 """
@@ -175,7 +179,27 @@ def decode_bytes_table():
     return r, naive / ideal
 
 
+def prefill_memory_table():
+    cfg = pdjax.configs.small(hidden_size=1024, intermediate_size=2048, n_routed_experts=64,
+                              num_experts_per_tok=6, n_shared_experts=2, n_group=8, topk_group=4,
+                              num_hidden_layers=4)
+    print(f"## prefill memory: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+          f"{cfg.n_routed_experts} experts top-{cfg.num_experts_per_tok}, 8 x 256 tokens, max_len 300")
+    print(f"{'dtype':<10}{'back end':<12}{'params MiB':>12}{'temp MiB':>12}{'temp / params':>15}")
+    for dtype in ("float32", "bfloat16"):
+        c = cfg.replace(param_dtype=dtype, compute_dtype=dtype)
+        params = jax.eval_shape(lambda: pdjax.init_params(c, jax.random.key(0)))
+        tokens, lengths = jax.ShapeDtypeStruct((8, 256), jnp.int32), jax.ShapeDtypeStruct((8,), jnp.int32)
+        size = sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
+        for impl in ("bucketed", "tiled"):
+            m = tr._prefill_fresh.lower(params, c, tokens, lengths, 300, False, impl).compile().memory_analysis()
+            print(f"{dtype:<10}{impl:<12}{size / 2**20:>12.1f}{m.temp_size_in_bytes / 2**20:>12.1f}"
+                  f"{m.temp_size_in_bytes / size:>15.2f}")
+    print()
+
+
 if __name__ == "__main__":
     np.set_printoptions(precision=3)
     forward_flops_table()
     decode_bytes_table()
+    prefill_memory_table()
