@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pdjax.config import ModelConfig
 from pdjax.disagg.request import Request, sample
-from pdjax.model.cache import to_cache_dtype, update_as_bits
+from pdjax.model.cache import scatter_rows
 from pdjax.model.paged import BlockAllocator, init_paged_cache, view_bucket
 from pdjax.model.transformer import decode_core
 from pdjax.parallel.ep import ExpertParallel
@@ -104,12 +104,10 @@ def advance_slots(logits_SV, state: SlotState, sampling: bool):
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _insert_rows(shard, rows_TL, index_2T):
     """Write rows [T, W] into shard [1, NB, bs, W] of one rank's pool (on that rank's device)
-    at (block, offset) = index_2T[:, t]; the shard is donated: updated in place (a narrow
-    float pool as bits: :func:`pdjax.model.cache.update_as_bits`); rows are rounded to the
-    pool's dtype as every cache write rounds them (:func:`pdjax.model.cache.to_cache_dtype`:
-    float8 saturates)."""
-    return update_as_bits(lambda buf, rows: buf.at[0, index_2T[0], index_2T[1]].set(rows), shard,
-                          to_cache_dtype(rows_TL, shard.dtype))
+    at (block, offset) = index_2T[:, t]; the shard is donated: updated in place, as every
+    pool write (:func:`pdjax.model.cache.scatter_rows`: rounded to the pool's dtype, a narrow
+    float as bits)."""
+    return scatter_rows(shard, (0, index_2T[0], index_2T[1]), rows_TL)
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1, 2))

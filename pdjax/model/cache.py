@@ -154,6 +154,13 @@ def write_rows(kv_BSL, new_BTL, start_B, layer=None):
     return update_as_bits(rows_into, kv_BSL, to_cache_dtype(new_BTL, kv_BSL.dtype))
 
 
+def scatter_rows(buf, index, rows):
+    """``buf.at[index].set(rows)``, the rows rounded to the buffer's dtype as every cache write
+    rounds them (:func:`to_cache_dtype`: float8 saturates) and a narrow float written as bits
+    (:func:`update_as_bits`): the paged pool's write and the decode pool's insert."""
+    return update_as_bits(lambda b, new: b.at[index].set(new), buf, to_cache_dtype(rows, buf.dtype))
+
+
 def update_as_bits(update, buf, new):
     """``update(buf, new)`` (an in-place write of ``new`` into ``buf``, same dtype), run on
     unsigned-integer views of both when they are a narrow float (bf16, f16, fp8): XLA:CPU

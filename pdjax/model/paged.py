@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from pdjax.config import ModelConfig, dtype_name
-from pdjax.model.cache import to_cache_dtype, update_as_bits
+from pdjax.model.cache import scatter_rows
 
 
 @jax.tree_util.register_dataclass
@@ -79,8 +79,7 @@ def _write(pool, tables, new_BTL, start_B):
     bs = pool.shape[1]
     pos = start_B[:, None] + jnp.arange(new_BTL.shape[1])[None, :]             # [b, T]
     blocks = jnp.take_along_axis(tables, pos // bs, axis=1, mode="clip")       # [b, T]
-    return update_as_bits(lambda buf, new: buf.at[blocks, pos % bs].set(new), pool,
-                          to_cache_dtype(new_BTL, pool.dtype))
+    return scatter_rows(pool, (blocks, pos % bs), new_BTL)
 
 
 def _view(pool, tables):
