@@ -43,9 +43,8 @@ from pdjax.model.initializers import scaled_normal
 from pdjax.model.moe_decode import COMBINE_SCOPE, few_tokens, swiglu  # noqa: F401
 from pdjax.model.moe_decode import combine as _combine
 # the sorted-rows plan and the gather-based back ends live in moe_dispatch; importable here
-from pdjax.model.moe_dispatch import (BASE_FACTOR, OVERFLOW_SHARE, SortedRows, _bucketed_rows,  # noqa: F401
-                                      _gather, _looped_rows, _tiled_rows, bucket_fits, bucket_layout,
-                                      loop_tile_rows, num_tiles, tile_rows)
+from pdjax.model.moe_dispatch import (SortedRows, _bucketed_rows, _looped_rows, _tiled_rows,  # noqa: F401
+                                      bucket_fits, bucket_layout, loop_tile_rows, num_tiles, tile_rows)
 
 _STATS: list[list] = []
 
