@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pdjax
-from pdjax.model import moe as moe_lib
+from pdjax.model import moe as moe_lib, moe_dispatch
 from pdjax.model import transformer as tr
 
 
@@ -123,8 +123,9 @@ def moe_flops_table(params, cfg, tokens, forward_bucketed, forward_ideal):
 
     def recorder(p, cfg_, x_, valid):       # the MoE layer as usual, recording its branch
         _, i = moe_lib.route(p, cfg_, x_, valid)
-        tiles = ((plan(i).counts + T - 1) // T).sum()    # the loop's tiles in use
-        moe_lib.record_stat(jnp.where(moe_lib.bucket_fits(plan(i), *layout), 0, tiles).astype(jnp.int32))
+        rows = plan(i)
+        tiles = moe_dispatch._tiles(rows, T)[1]           # the loop's tiles in use
+        moe_lib.record_stat(jnp.where(moe_lib.bucket_fits(rows, *layout), 0, tiles).astype(jnp.int32))
         return moe_lib.moe(p, cfg_, x_, "bucketed", valid)
 
     tiles = np.asarray(jax.jit(lambda p, t: tr._with_stats(tr.forward_core)(p, cfg, t, recorder)[1])(params, tokens))
