@@ -17,7 +17,10 @@ what the scan costs at run time (on XLA:CPU each iteration copies its layer's we
 a cached step its layer's cache rows, out of the stacked buffers: a dynamic slice feeding a
 dot is materialised).
 
+``--run-dtypes`` picks the run-time tables' precisions (default float32 and bfloat16).
+
 Run: .venv/bin/python benchmarks/compile_time.py [--repeats 3] [--depths 4 61] [--run-layers 8]
+     [--functions] (no compile-time table) [--run-dtypes float32 bfloat16]
 """
 
 from __future__ import annotations
@@ -76,9 +79,10 @@ def measure(cfg, mode: str, name: str) -> tuple[float, float]:
     return t1 - t0, time.perf_counter() - t1
 
 
-def run_times(layers: int, repeats: int) -> dict:
-    """mode -> name -> median ms of the compiled forward, fresh prefill and a decode step."""
-    cfg = v3_small(layers)
+def run_times(layers: int, repeats: int, dtype: str = "float32") -> dict:
+    """mode -> name -> median ms of the compiled forward, fresh prefill and a decode step
+    (params and compute in ``dtype``)."""
+    cfg = v3_small(layers).replace(param_dtype=dtype, compute_dtype=dtype)
     params = jax.jit(pdjax.init_params, static_argnums=0)(cfg, jax.random.key(0))
     forms = {"layers": params, "scan": jax.jit(layer_scan.stack_layers, static_argnums=1)(params, cfg)}
     tokens = jnp.asarray(np.random.RandomState(0).randint(0, cfg.vocab_size, (2, 128)), jnp.int32)
@@ -112,9 +116,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--depths", type=int, nargs=2, default=(4, 61))
-    ap.add_argument("--functions", nargs="+", default=["forward", "prefill", "decode_step"])
+    ap.add_argument("--functions", nargs="*", default=["forward", "prefill", "decode_step"],
+                    help="the compile-time table's functions (none: no compile-time table)")
     ap.add_argument("--run-layers", type=int, default=8)
     ap.add_argument("--run-repeats", type=int, default=7)
+    ap.add_argument("--run-dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     args = ap.parse_args()
     shallow, deep = args.depths
     cfgs = {d: v3_small(d) for d in (shallow, deep)}
@@ -122,14 +128,15 @@ def main():
             for d in cfgs}
     print(f"layer runs: {runs}")
     times: dict = {}
-    for _ in range(args.repeats):
+    for _ in range(args.repeats if args.functions else 0):
         for name in args.functions:
             for depth in (shallow, deep):
                 for mode in ("layers", "scan"):
                     times.setdefault((name, mode, depth), []).append(measure(cfgs[depth], mode, name))
-    print(f"\n| function | mode | lower s ({shallow}) | lower s ({deep}) | lower {deep}/{shallow} "
-          f"| compile s ({shallow}) | compile s ({deep}) | compile {deep}/{shallow} |")
-    print("|---|---|---|---|---|---|---|---|")
+    if args.functions:
+        print(f"\n| function | mode | lower s ({shallow}) | lower s ({deep}) | lower {deep}/{shallow} "
+              f"| compile s ({shallow}) | compile s ({deep}) | compile {deep}/{shallow} |")
+        print("|---|---|---|---|---|---|---|---|")
     for name in args.functions:
         for mode in ("layers", "scan"):
             lo = [statistics.median(t[i] for t in times[(name, mode, d)]) for i in (0,) for d in (shallow, deep)]
@@ -137,11 +144,12 @@ def main():
             label = "per-layer loop" if mode == "layers" else "scan (stacked)"
             print(f"| {name} | {label} | {lo[0]:.2f} | {lo[1]:.2f} | {lo[1] / lo[0]:.2f} "
                   f"| {co[0]:.2f} | {co[1]:.2f} | {co[1] / co[0]:.2f} |")
-    print(f"\nmedian of {args.repeats}; target: scan compile {deep}/{shallow} <= 2.0")
-    if args.run_layers:
-        ms = run_times(args.run_layers, args.run_repeats)
-        print(f"\nrun time, {args.run_layers} layers (median of {args.run_repeats}; decode: batch 8, "
-              "cache 256, 4 steps per repeat)\n")
+    if args.functions:
+        print(f"\nmedian of {args.repeats}; target: scan compile {deep}/{shallow} <= 2.0")
+    for dtype in args.run_dtypes if args.run_layers else ():
+        ms = run_times(args.run_layers, args.run_repeats, dtype)
+        print(f"\nrun time, {args.run_layers} layers, {dtype} params and compute (median of {args.run_repeats}; "
+              "decode: batch 8, cache 256, 4 steps per repeat)\n")
         print("| ms | per-layer loop | scan (stacked) | scan / per-layer |")
         print("|---|---|---|---|")
         for name in ("forward", "prefill", "decode_step"):

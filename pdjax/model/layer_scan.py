@@ -18,8 +18,10 @@ saves no compile time.
 in :mod:`pdjax.model.transformer`). With stacked params the cache is a
 :class:`StackedKVCache`: one ``[n_i, B, S, C+R]`` buffer per run. A decode step carries each
 run's buffer through its scan and writes the new rows into it with cache.write_rows (in
-place: the step donates the cache and the scan's carry aliases it), so no step copies the
-cache. MoE statistics (``moe.collect_stats``, ``return_stats``) come out per MoE layer in
+place: the step donates the cache and the scan's carry aliases it), so a float32 step copies
+no cache. Narrow floats (bf16, fp8) are scanned as their bits (:func:`_as_bits`: XLA:CPU
+would slice and update them on float32 copies of whole stacks), at one copy of each stack
+per step (the cache: one each way). MoE statistics (``moe.collect_stats``, ``return_stats``) come out per MoE layer in
 layer order, as in the per-layer form.
 
 Everything else in pdjax (``parallel/``, ``pipeline/``, ``disagg/``, ``save_hf``) takes the
@@ -205,14 +207,33 @@ def fresh_cache(new_kv, lengths_B, max_len: int, cfg: ModelConfig) -> StackedKVC
 class _RunLayerCache:
     """Layer ``index`` of a run's cache buffer [n,B,S,C+R], as the attention sees it: it writes
     the new rows into the whole buffer (:func:`pdjax.model.cache.write_rows`, in place in the
-    scan's carry) and reads the layer's rows back."""
+    scan's carry) and reads the layer's rows back. A narrow-float buffer is carried as its bits
+    (:func:`_as_bits`; ``dtype`` is the cache's)."""
 
-    def __init__(self, buffer_NBSL, index):
-        self.buffer, self.index = buffer_NBSL, index
+    def __init__(self, buffer_NBSL, index, dtype):
+        self.buffer, self.index, self.dtype = buffer_NBSL, index, dtype
 
     def write_and_view(self, new_BTL, start_B):
-        buf = write_rows(self.buffer, new_BTL, start_B, self.index)
-        return buf, jax.lax.dynamic_index_in_dim(buf, self.index, 0, keepdims=False)
+        buf = write_rows(self.buffer, _as_bits(to_cache_dtype(new_BTL, self.dtype)), start_B, self.index)
+        return buf, _from_bits(jax.lax.dynamic_index_in_dim(buf, self.index, 0, keepdims=False), self.dtype)
+
+
+def _as_bits(x):
+    """A narrow-float (bf16, fp8) array as unsigned integers (the same bits). XLA:CPU runs any
+    slice or update of a narrow float on a float32 (fp8: float16) copy of the whole array; a
+    scan that slices a layer out of a stack each step copies the stack first (hoisted out of
+    the loop: 3x the stack's bytes, then 3x each layer's), and an update of a layer of the
+    cache stack copies the stack each layer. As bits a slice is read as it is and an update is
+    in place; the reinterpretation costs one copy of the stack (2x its bytes) each way.
+    Anything else is returned as it is."""
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize >= 4:
+        return x
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+
+
+def _from_bits(x, dtype):
+    """:func:`_as_bits` undone (``dtype``: the original's)."""
+    return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
 
 
 # ---- the layer loop ----------------------------------------------------------------------------
@@ -228,22 +249,28 @@ def run_layers(layer_fn, params, cfg, x_BTD, q_pos_BT, kv_runs=None, start_B=Non
         raise TypeError("stacked params need a StackedKVCache (one [n,B,S,C+R] buffer per layer run)")
     new_kv = []
     for i, stack in enumerate(stacks):
+        dtypes = jax.tree.map(lambda w: w.dtype, stack)      # the weights are sliced as bits
         if kv_runs is None:
-            def body(x, lp):
+            def body(x, bits):
                 with moe_lib.collect_stats() as stats:
-                    x, new = layer_fn(lp, cfg, x, q_pos_BT, None, None, absorbed, moe_impl, valid_BT)
+                    x, new = layer_fn(jax.tree.map(_from_bits, bits, dtypes), cfg, x, q_pos_BT, None, None, absorbed,
+                                      moe_impl, valid_BT)
                 return x, (new, moe_lib.stacked_stats(stats))
-            x_BTD, (kv, stats) = jax.lax.scan(body, x_BTD, stack)
+            x_BTD, (kv, stats) = jax.lax.scan(body, x_BTD, jax.tree.map(_as_bits, stack))
         else:
+            dtype = kv_runs[i].dtype
+
             def body(carry, xs):
                 x, buf = carry
-                lp, index = xs
+                bits, index = xs
                 with moe_lib.collect_stats() as stats:
-                    x, buf = layer_fn(lp, cfg, x, q_pos_BT, _RunLayerCache(buf, index), start_B, absorbed,
-                                      moe_impl, valid_BT)
+                    x, buf = layer_fn(jax.tree.map(_from_bits, bits, dtypes), cfg, x, q_pos_BT,
+                                      _RunLayerCache(buf, index, dtype), start_B, absorbed, moe_impl, valid_BT)
                 return (x, buf), moe_lib.stacked_stats(stats)
             n = kv_runs[i].shape[0]
-            (x_BTD, kv), stats = jax.lax.scan(body, (x_BTD, kv_runs[i]), (stack, jnp.arange(n, dtype=jnp.int32)))
+            (x_BTD, kv), stats = jax.lax.scan(body, (x_BTD, _as_bits(kv_runs[i])),
+                                              (jax.tree.map(_as_bits, stack), jnp.arange(n, dtype=jnp.int32)))
+            kv = _from_bits(kv, dtype)
         if stats.shape[1]:                 # [n, stats per layer]: re-recorded in layer order
             for layer_stats in stats:
                 for value in layer_stats:

@@ -2,6 +2,8 @@
 caches, tokens and MoE stats; the decode step updates the stacked cache in place; bad
 combinations fail before any compute."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -146,3 +148,36 @@ def test_bad_combinations_raise_before_compute(params, stacked, cfg):
             raise AssertionError("not reached")
     with pytest.raises(ValueError, match="own layer loop"):
         pdjax.forward(stacked, cfg, toks, moe_impl=OwnLoop())
+
+
+def test_bf16_stacked_decode_matches_per_layer_without_float32_stacks():
+    """bf16 stacked params and cache: a prefill and decode steps are as close to the float32
+    model (the same bf16-rounded weights) as the per-layer path's (within 2x its error: the two
+    bf16 programs round in different orders; dense layers, so no near-tie routing flips), and
+    the compiled step stores no float32 copy of a weight stack or of the cache's run buffer.
+    (XLA:CPU slices or updates a narrow float on a float32 copy of the whole array: the scan
+    sliced each layer's weights out of a float32 copy of every stack, made each step, until
+    the stacks were sliced as their bits.)"""
+    cfg = pdjax.configs.tiny(n_routed_experts=0, num_hidden_layers=3)
+    cfg16 = cfg.replace(param_dtype="bfloat16", compute_dtype="bfloat16")
+    p16 = pdjax.init_params(cfg16, jax.random.key(0))
+    p32 = jax.tree.map(lambda w: w.astype(jnp.float32) if w.dtype == jnp.bfloat16 else w, p16)
+    s16 = stack_layers(p16, cfg16)
+    toks = _tokens(cfg, (2, 5))
+    logits = []
+    for p, c in ((p32, cfg), (p16, cfg16), (s16, cfg16)):
+        lg, cache = pdjax.prefill(p, c, toks, max_len=MAX_LEN)
+        steps = [lg[:, -1]]
+        for t in range(3):
+            lg, cache = pdjax.decode_step(p, c, toks[:, t], cache)
+            steps.append(lg)
+        logits.append(np.asarray(jnp.stack(steps), np.float32))
+    ref, per_layer, scan = logits
+    assert np.abs(scan - ref).max() <= 2 * np.abs(per_layer - ref).max()
+    cache = layer_scan.init_stacked_cache(cfg16, 2, MAX_LEN)
+    hlo = transformer._decode_step.lower(s16, cfg16, jnp.zeros((2,), jnp.int32), cache, None).compile().as_text()
+    stacks = {tuple(x.shape) for x in jax.tree.leaves((s16["layer_runs"], cache.kv)) if x.ndim >= 3}
+    fused = set(re.findall(r"calls=%([\w.\-]+)", hlo))
+    stored = "\n".join(b for b in re.split(r"\n(?=\S)", hlo) if not any(b.startswith(f"%{n} ") for n in fused))
+    f32 = {tuple(map(int, d.split(","))) for d in re.findall(r"= f32\[([\d,]+)\]", stored)}
+    assert not f32 & stacks, f32 & stacks
