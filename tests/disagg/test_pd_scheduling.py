@@ -10,7 +10,7 @@ from faults import Fault, FaultyLink, ManualClock
 
 from pdjax.analysis.costmodel_fit import PrefillCostFit
 from pdjax.disagg import ColocatedEngine, PDEngine
-from pdjax.disagg.scheduling import largest_chunk
+from pdjax.disagg.scheduling import Signals, largest_chunk
 
 ITEMSIZE = 4
 
@@ -162,8 +162,10 @@ def test_handoff_timeout_reprefills(tiny_cfg, tiny_params, pd_prompts, pd_expect
     assert eng.stats["kv_bytes_sent"] == _latent_bytes(tiny_cfg, pd_prompts[:4])
 
 
-def test_transfer_signal_and_calibration(tiny_cfg, chunked, pd_prompts, pd_expected):
-    # its own run: the stats must not depend on which tests of this file ran before
+def test_transfer_signal_and_calibration(tiny_cfg, chunked, pd_prompts, pd_expected, monkeypatch):
+    # its own run (the stats must not depend on which tests of this file ran before), sampling
+    # the signals at every turn of the decode loop (a warm run can end within one interval)
+    monkeypatch.setattr(Signals, "interval", 0.0)
     assert chunked.generate(pd_prompts[:2], max_new_tokens=5) == pd_expected[:2]
     s = chunked.stats
     assert s["link_bandwidth_Bps"] > 0
