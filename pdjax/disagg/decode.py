@@ -106,7 +106,7 @@ def _insert_rows(shard, rows_TL, index_2T):
     """Write rows [T, W] into shard [1, NB, bs, W] of one rank's pool (on that rank's device)
     at (block, offset) = index_2T[:, t]; the shard is donated: updated in place, as every
     pool write (:func:`pdjax.model.cache.scatter_rows`: rounded to the pool's dtype, a narrow
-    float as bits)."""
+    float selected in, one pass)."""
     return scatter_rows(shard, (0, index_2T[0], index_2T[1]), rows_TL)
 
 
