@@ -157,9 +157,10 @@ def test_bf16_compute_keeps_float32_islands(tiny_cfg):
     """In a bf16 model the traced program holds: every exp (softmax) and rsqrt (RMSNorm) in
     float32; float32 matmuls only for the router logits (one per MoE layer); the expert combine
     (the weighted sum of the experts' outputs, under ``moe.COMBINE_SCOPE``) all float32, in
-    every MoE layer; bf16 matmuls everywhere else, of which exactly the attention scores (one
-    per layer), the absorbed attention's value dot (decode: one more per layer, normalised
-    after it) and the logits keep a float32 result; the others give bf16 (weight products:
+    every MoE layer; bf16 matmuls everywhere else, of which exactly the attention scores (the
+    forward: two dots per layer, the heads' own keys and the shared rope key, summed in
+    float32; decode: one), the absorbed attention's value dot (decode: one more per layer,
+    normalised after it) and the logits keep a float32 result; the others give bf16 (weight products:
     accumulated in float32 and rounded to bf16 at once)."""
     cfg = tiny_cfg.replace(param_dtype="bfloat16", compute_dtype="bfloat16")
     params = jax.eval_shape(lambda: pdjax.init_params(cfg, jax.random.key(0)))     # tracing only
@@ -190,7 +191,7 @@ def test_bf16_compute_keeps_float32_islands(tiny_cfg):
         rounded = _rounded_at_once(closed.jaxpr, bf16)
         kept = [e for e in widened if id(e) not in rounded]
         assert len(widened) > len(kept), what
-        per_layer = 2 if what == "decode" else 1
+        per_layer = 2                    # forward: the two score dots; decode: score and value dots
         assert len(kept) == per_layer * cfg.num_hidden_layers + 1, what
         assert closed.out_avals[0].dtype == f32
 
