@@ -129,6 +129,12 @@ def to_cache_dtype(x, dtype):
     return x.astype(dtype)
 
 
+def is_narrow_float(dtype) -> bool:
+    """A float narrower than float32 (bf16, fp16, fp8): XLA:CPU runs a slice, an update or a
+    scatter of such an array on a float32 (fp8: float16) copy of the whole array."""
+    return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize < 4
+
+
 def write_rows(kv_BSL, new_BTL, start_B, layer=None):
     """Write new_BTL [B,T,W] into kv_BSL [B,S,W] at per-row offsets start_B [B]; with
     ``layer`` (an int, traced or not), kv is a stack [n,B,S,W] and its layer ``layer`` is written.
@@ -151,9 +157,9 @@ def write_rows(kv_BSL, new_BTL, start_B, layer=None):
     bytes, as bits 25.7 ms and 4x; [8, 8K, 528]: 1.8 against 35.7 ms. A stack written by
     ``layer`` is updated in place instead, so a narrow float's stack is passed as its bits
     (unsigned integers, the rows too; :mod:`pdjax.model.layer_scan` carries it so)."""
-    if jnp.issubdtype(kv_BSL.dtype, jnp.floating):
+    if jnp.issubdtype(kv_BSL.dtype, jnp.floating):          # not a stack's bits
         new_BTL = to_cache_dtype(new_BTL, kv_BSL.dtype)
-    if layer is None and jnp.issubdtype(kv_BSL.dtype, jnp.floating) and kv_BSL.dtype.itemsize < 4:
+    if layer is None and is_narrow_float(kv_BSL.dtype):
         return _select_rows(kv_BSL, new_BTL, start_B)
     lead = () if layer is None else (layer,)
 
@@ -185,12 +191,12 @@ def scatter_rows(buf, index, rows):
 
     A float32 buffer is scattered into in place. A narrow float (bf16, fp8) is written by one
     select over it, as :func:`write_rows` writes a layer: XLA:CPU would scatter into a float32
-    copy of the whole buffer, and as bits it copies the buffer at each reinterpretation
-    (4 passes; bf16 [1024, 64, 144] pool, 64 rows: 2.0-3.1 ms, now 0.7-1.4 ms); here a small integer map of the buffer's positions records
-    which row lands where (an in-place int32 scatter), and the select reads and writes the
-    buffer once (2 passes)."""
+    copy of the whole buffer, and as bits it copies the buffer at each reinterpretation (4
+    passes). Here a small integer map of the buffer's positions records which row lands where
+    (an in-place int32 scatter), and the select reads and writes the buffer once (2 passes;
+    bf16 [1024, 64, 144] pool, 64 rows: 2.0-3.1 ms as bits, 0.7-1.4 ms)."""
     rows = to_cache_dtype(rows, buf.dtype)
-    if not jnp.issubdtype(buf.dtype, jnp.floating) or buf.dtype.itemsize >= 4:
+    if not is_narrow_float(buf.dtype):
         return buf.at[index].set(rows)
     ids = jnp.arange(math.prod(rows.shape[:-1]), dtype=jnp.int32).reshape(rows.shape[:-1])
     owner = jnp.full(buf.shape[:-1], -1, jnp.int32).at[index].set(ids)

@@ -21,8 +21,8 @@ run's buffer through its scan and writes the new rows into it with cache.write_r
 place: the step donates the cache and the scan's carry aliases it), so a float32 step copies
 no cache. Narrow floats (bf16, fp8) are scanned as their bits (:func:`_as_bits`: XLA:CPU
 would slice and update them on float32 copies of whole stacks), at one copy of each stack
-per step (the cache: one each way). MoE statistics (``moe.collect_stats``, ``return_stats``) come out per MoE layer in
-layer order, as in the per-layer form.
+per step (the cache: one each way). MoE statistics (``moe.collect_stats``, ``return_stats``)
+come out per MoE layer in layer order, as in the per-layer form.
 
 Everything else in pdjax (``parallel/``, ``pipeline/``, ``disagg/``, ``save_hf``) takes the
 per-layer form; :func:`unstack_layers` and :meth:`StackedKVCache.unstacked` convert back.
@@ -38,7 +38,8 @@ import jax.numpy as jnp
 
 from pdjax.config import ModelConfig
 from pdjax.model import moe as moe_lib
-from pdjax.model.cache import KVCache, check_empty_cache, empty_lengths, to_cache_dtype, write_rows
+from pdjax.model.cache import (KVCache, check_empty_cache, empty_lengths, is_narrow_float, to_cache_dtype,
+                               write_rows)
 
 
 class LayerRun(NamedTuple):
@@ -226,7 +227,7 @@ def _as_bits(x):
     cache stack copies the stack each layer. As bits a slice is read as it is and an update is
     in place; the reinterpretation costs one copy of the stack (2x its bytes) each way.
     Anything else is returned as it is."""
-    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize >= 4:
+    if not is_narrow_float(x.dtype):
         return x
     return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
 

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import pdjax
+from hlo_text import stored_arrays
 from pdjax.model import dots, transformer
 
 TARGET = 3.0
@@ -61,16 +62,8 @@ def traffic(name):
 
 
 def _materialised_f32(hlo):
-    """Shapes of the float32 arrays a compiled program writes to memory: the results of the
-    instructions outside fusion bodies (an array inside a fusion is never stored)."""
-    fused = set(re.findall(r"calls=%([\w.\-]+)", hlo))
-    shapes, inside = set(), False
-    for line in hlo.splitlines():
-        if not line.startswith(" ") and line.rstrip().endswith("{"):
-            inside = line.split()[0].lstrip("%") in fused or line.split()[1].lstrip("%") in fused
-        elif not inside:
-            shapes.update(re.findall(r"^\s+(?:ROOT )?%\S+ = f32\[([\d,]+)\]", line))
-    return shapes
+    """Shapes ("D0,D1,...") of the float32 arrays a compiled program stores in memory."""
+    return {",".join(map(str, shape)) for dtype, shape in stored_arrays(hlo) if dtype == "f32"}
 
 
 def write_passes() -> dict:
@@ -177,19 +170,21 @@ def test_one_row_product_is_the_first_row_of_two():
 
 
 def _stored_dtypes(hlo: str, shape) -> set:
-    """The dtypes of every array of ``shape`` that the compiled program stores: instructions
-    outside fusion bodies (inside a fusion, a wider value lives in registers)."""
-    fused = set(re.findall(r"calls=%([\w.\-]+)", hlo))
-    blocks = re.split(r"\n(?=\S)", hlo)
-    kept = "\n".join(b for b in blocks if not any(b.startswith(f"%{name} ") for name in fused))
-    return set(re.findall(r"(\w+)\[" + ",".join(map(str, shape)) + r"\]", kept))
+    """The dtypes of the arrays of ``shape`` that a compiled program stores in memory."""
+    return {dtype for dtype, stored in stored_arrays(hlo) if stored == tuple(shape)}
 
 
 def _written_in_place_and_exact(write, args, shape, want):
     """``write`` (jitted) stores every array of the buffer's ``shape`` in the buffer's dtype or
-    its unsigned bits (no wider copy), and writes exactly ``want``."""
-    whole = _stored_dtypes(write.lower(*args).compile().as_text(), shape)
+    its unsigned bits (no wider copy), never updates a float array of that shape (XLA:CPU runs
+    a narrow float's dynamic_update_slice or scatter on a float32 copy of the whole array, in
+    a fusion whose bytes a loop's cost analysis counts once), and writes exactly ``want``."""
+    hlo = write.lower(*args).compile().as_text()
+    whole = _stored_dtypes(hlo, shape)
     assert whole <= {"bf16", "f8e4m3fn", "u16", "u8"} and len(whole - {"u16", "u8"}) == 1, whole
+    dims = ",".join(map(str, shape))
+    updates = re.findall(r"= (\w+)\[" + dims + r"\]\S* (?:dynamic-update-slice|scatter)\(", hlo)
+    assert not {d for d in updates if d.startswith(("f", "bf"))}, updates
     assert np.array_equal(np.asarray(write(*args)).view(np.uint8), want.view(np.uint8))
 
 

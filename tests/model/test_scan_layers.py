@@ -2,14 +2,13 @@
 caches, tokens and MoE stats; the decode step updates the stacked cache in place; bad
 combinations fail before any compute."""
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import pdjax
+from hlo_text import stored_arrays
 from pdjax.model import layer_scan, moe as moe_lib, transformer
 from pdjax.model.layer_scan import LayerRun, layer_runs, stack_layers, unstack_layers
 
@@ -177,7 +176,5 @@ def test_bf16_stacked_decode_matches_per_layer_without_float32_stacks():
     cache = layer_scan.init_stacked_cache(cfg16, 2, MAX_LEN)
     hlo = transformer._decode_step.lower(s16, cfg16, jnp.zeros((2,), jnp.int32), cache, None).compile().as_text()
     stacks = {tuple(x.shape) for x in jax.tree.leaves((s16["layer_runs"], cache.kv)) if x.ndim >= 3}
-    fused = set(re.findall(r"calls=%([\w.\-]+)", hlo))
-    stored = "\n".join(b for b in re.split(r"\n(?=\S)", hlo) if not any(b.startswith(f"%{n} ") for n in fused))
-    f32 = {tuple(map(int, d.split(","))) for d in re.findall(r"= f32\[([\d,]+)\]", stored)}
+    f32 = {shape for dtype, shape in stored_arrays(hlo) if dtype == "f32"}
     assert not f32 & stacks, f32 & stacks
