@@ -188,24 +188,26 @@ def _written_in_place_and_exact(write, args, shape, want):
     assert np.array_equal(np.asarray(write(*args)).view(np.uint8), want.view(np.uint8))
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
-def test_narrow_cache_write_stays_in_its_dtype(dtype):
+@pytest.mark.parametrize("dtype,T", [("bfloat16", 1), ("float8_e4m3fn", 1), ("bfloat16", 3)])
+def test_narrow_cache_write_stays_in_its_dtype(dtype, T):
     """A bf16 or fp8 cache's rows are written exactly, without a wider copy of the whole cache:
     XLA:CPU runs a narrow-float dynamic_update_slice on a float32 (bf16) or float16 (fp8) copy,
     once per row of the write loop (bf16, B=64, 1K: 24 ms instead of 2.5 ms per layer), and
     a write as unsigned bits costs a copy at each reinterpretation (4 passes over the layer).
     write_rows selects the new rows into the layer: one pass (read it, write it), bit-exact,
-    also for the rows it keeps that hold subnormals, infinities or NaN."""
+    also for the rows it keeps that hold subnormals, infinities or NaN; T = 3: a chunk of rows
+    (chunked prefill into a cache), the last one ending at the cache's end."""
     from pdjax.model.cache import write_rows
     B, S, W = 4, 64, 16
     rng = np.random.default_rng(0)
     tiny = float(jnp.finfo(dtype).smallest_subnormal)
     odd = [tiny, -tiny, 3 * tiny, float("nan")] + ([float("inf")] if dtype == "bfloat16" else [])
     kv = jnp.asarray(rng.standard_normal((B, S, W)), dtype).at[:, 7, :len(odd)].set(jnp.asarray(odd, dtype))
-    new = jnp.asarray(rng.standard_normal((B, 1, W)), jnp.float32)
-    starts = jnp.asarray([0, 5, 63, 10], jnp.int32)
+    new = jnp.asarray(rng.standard_normal((B, T, W)), jnp.float32)
+    starts = jnp.asarray([0, 5, S - T, 10], jnp.int32)
     want = np.asarray(kv).copy()
-    want[np.arange(B), np.asarray(starts)] = np.asarray(new[:, 0].astype(dtype))
+    for b, start in enumerate(np.asarray(starts)):
+        want[b, start:start + T] = np.asarray(new[b].astype(dtype))
     _written_in_place_and_exact(jax.jit(write_rows, donate_argnums=0), (kv, new, starts), (B, S, W), want)
 
 
