@@ -250,14 +250,15 @@ def run_layers(layer_fn, params, cfg, x_BTD, q_pos_BT, kv_runs=None, start_B=Non
         raise TypeError("stacked params need a StackedKVCache (one [n,B,S,C+R] buffer per layer run)")
     new_kv = []
     for i, stack in enumerate(stacks):
-        dtypes = jax.tree.map(lambda w: w.dtype, stack)      # the weights are sliced as bits
+        # the weights are sliced as bits: each layer's are reinterpreted back inside the scan
+        stack_bits, dtypes = jax.tree.map(_as_bits, stack), jax.tree.map(lambda w: w.dtype, stack)
         if kv_runs is None:
             def body(x, bits):
                 with moe_lib.collect_stats() as stats:
                     x, new = layer_fn(jax.tree.map(_from_bits, bits, dtypes), cfg, x, q_pos_BT, None, None, absorbed,
                                       moe_impl, valid_BT)
                 return x, (new, moe_lib.stacked_stats(stats))
-            x_BTD, (kv, stats) = jax.lax.scan(body, x_BTD, jax.tree.map(_as_bits, stack))
+            x_BTD, (kv, stats) = jax.lax.scan(body, x_BTD, stack_bits)
         else:
             dtype = kv_runs[i].dtype
 
@@ -270,7 +271,7 @@ def run_layers(layer_fn, params, cfg, x_BTD, q_pos_BT, kv_runs=None, start_B=Non
                 return (x, buf), moe_lib.stacked_stats(stats)
             n = kv_runs[i].shape[0]
             (x_BTD, kv), stats = jax.lax.scan(body, (x_BTD, _as_bits(kv_runs[i])),
-                                              (jax.tree.map(_as_bits, stack), jnp.arange(n, dtype=jnp.int32)))
+                                              (stack_bits, jnp.arange(n, dtype=jnp.int32)))
             kv = _from_bits(kv, dtype)
         if stats.shape[1]:                 # [n, stats per layer]: re-recorded in layer order
             for layer_stats in stats:
