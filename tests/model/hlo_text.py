@@ -1,4 +1,4 @@
-"""Reading compiled XLA programs (``compiled.as_text()``) in the tests."""
+"""Reading compiled XLA programs (``compiled.as_text()``, their cost analysis) in the tests."""
 
 import re
 
@@ -16,3 +16,9 @@ def stored_arrays(hlo: str) -> set:
             for dtype, dims in re.findall(r"^\s+(?:ROOT )?%\S+ = (\w+)\[([\d,]*)\]", line):
                 out.add((dtype, tuple(int(d) for d in dims.split(",") if d)))
     return out
+
+
+def bytes_accessed(compiled) -> float:
+    """XLA's cost-analysis bytes accessed of a compiled program (one dict, or a list of one)."""
+    cost = compiled.cost_analysis()
+    return (cost[0] if isinstance(cost, (list, tuple)) else cost)["bytes accessed"]

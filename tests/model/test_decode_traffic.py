@@ -19,8 +19,10 @@ import numpy as np
 import pytest
 
 import pdjax
+import hlo_text
 from hlo_text import stored_arrays
 from pdjax.model import dots, transformer
+from pdjax.model.cache import is_narrow_float
 
 TARGET = 3.0
 
@@ -55,10 +57,9 @@ def traffic(name):
     cache = jax.eval_shape(lambda: pdjax.init_cache(cfg, batch, length))
     tokens = jax.ShapeDtypeStruct((batch,), jnp.int32)
     compiled = transformer._decode_step.lower(params, cfg, tokens, cache).compile()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    narrow = {",".join(map(str, w.shape)) for w in jax.tree.leaves(params) if w.dtype.itemsize < 4 and w.ndim == 2}
-    return cost["bytes accessed"], _nbytes(params), _nbytes(cache.kv), sorted(_materialised_f32(compiled.as_text()) & narrow)
+    narrow = {",".join(map(str, w.shape)) for w in jax.tree.leaves(params) if is_narrow_float(w.dtype) and w.ndim == 2}
+    return (hlo_text.bytes_accessed(compiled), _nbytes(params), _nbytes(cache.kv),
+            sorted(_materialised_f32(compiled.as_text()) & narrow))
 
 
 def _materialised_f32(hlo):
@@ -84,9 +85,7 @@ def write_passes() -> dict:
     out = {}
     for name, (fn, buf, rest) in programs.items():
         fn = fn if hasattr(fn, "lower") else jax.jit(fn, donate_argnums=0)
-        cost = fn.lower(buf, *rest).compile().cost_analysis()
-        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-        out[name] = cost["bytes accessed"] / (math.prod(buf.shape) * 2)
+        out[name] = hlo_text.bytes_accessed(fn.lower(buf, *rest).compile()) / (math.prod(buf.shape) * 2)
     return out
 
 
