@@ -64,8 +64,11 @@ def milp_schedule(layout: Layout, costs: dict, *, cap=np.inf, memory: dict | Non
     rows: list[tuple[dict, float, float]] = []   # ({var: coef}, lo, hi)
     C = n
 
+    deps: list[tuple[int, int]] = []   # (a, b): b depends on a
+
     def prec(a: int, b: int, lag: float) -> None:   # x_b >= x_a + lag
         rows.append(({b: 1.0, a: -1.0}, lag, np.inf))
+        deps.append((a, b))
 
     fixed_before = set()   # (a, b): a surely ends before b starts (same rank)
     for (k, s, j), o in index.items():
@@ -167,9 +170,36 @@ def milp_schedule(layout: Layout, costs: dict, *, cap=np.inf, memory: dict | Non
     dual = getattr(res, "mip_dual_bound", None)
     if res.x is None:
         return None, "infeasible" if res.status == 2 else "time limit", None, dual
-    x = res.x
-    order = [sorted(per_rank[r], key=lambda o: (round(x[o], 9), "FIW".index(ops[o][0]), ops[o][2]))
-             for r in range(R)]
+    order = _op_order(res.x[:n], ops, deps, sr, R)
     sched = Schedule("milp", layout, tuple(tuple(Op(*ops[o]) for o in row) for row in order))
     status = "optimal" if res.status == 0 else "time limit"
     return sched, status, float(res.fun), dual
+
+
+def _op_order(x: np.ndarray, ops: list, deps: list, stage_rank, num_ranks: int) -> list[list[int]]:
+    """Per-rank op orders from the solver's start times ``x``, never against a dependency.
+
+    The solver meets its constraints only to a tolerance (a W may start 1e-9 before its
+    I), and zero-length ops tie with others, so sorting raw times can put an op before
+    one it depends on. Kahn's order over the dependency graph, taking among the ready
+    ops the earliest start (rounded to 1e-6), then F before I before W, keeps the
+    solver's order wherever it is unambiguous and is valid by construction."""
+    import heapq
+
+    succ: list[list[int]] = [[] for _ in ops]
+    indeg = [0] * len(ops)
+    for a, b in deps:
+        succ[a].append(b)
+        indeg[b] += 1
+    key = [(round(float(x[o]), 6), "FIW".index(k), s, j, o) for o, (k, s, j) in enumerate(ops)]
+    ready = [key[o] for o in range(len(ops)) if indeg[o] == 0]
+    heapq.heapify(ready)
+    order: list[list[int]] = [[] for _ in range(num_ranks)]
+    while ready:
+        o = heapq.heappop(ready)[-1]
+        order[stage_rank[ops[o][1]]].append(o)
+        for b in succ[o]:
+            indeg[b] -= 1
+            if indeg[b] == 0:
+                heapq.heappush(ready, key[b])
+    return order

@@ -46,6 +46,7 @@ from .greedy import Policy, greedy_schedule
 from .layout import Layout
 from .schedule import Schedule
 from .simulate import Timeline, _per_stage, simulate
+from .validate import ScheduleError
 
 FAMILIES = ("zb", "v", "dualpipe")
 _HAND = {"zb": ("1f1b", "zb1p", "zbh2"), "v": ("dualpipev", "zbv", "v-half", "v-min"), "dualpipe": ("dualpipe",)}
@@ -69,7 +70,9 @@ class SearchResult:
     (peak memory, makespan) Pareto points over all candidates; ``milp``: status, objective
     and dual bound of the exact program (``None`` when not run); ``candidates``: all;
     ``complete``: whether the whole greedy pool ran within ``time_limit_s``;
-    ``pool_makespan``: the best fitting makespan of the pool alone (without the MILP)."""
+    ``pool_makespan``: the best fitting makespan of the pool alone (without the MILP);
+    ``rejected``: ``(label, reason)`` of every built candidate that failed validation
+    (dropped, never kept or returned)."""
 
     schedule: Schedule
     timeline: Timeline
@@ -80,6 +83,7 @@ class SearchResult:
     label: str = ""
     complete: bool = True
     pool_makespan: float = math.nan
+    rejected: list[tuple[str, str]] = field(default_factory=list, repr=False)
 
     @property
     def makespan(self) -> float:
@@ -158,6 +162,7 @@ def search(num_ranks: int, num_microbatches: int, F=1.0, B=2.0, W=1.0, comm=0.0,
     layouts = _layouts(p, m, fams)
     deadline = time.monotonic() + float(time_limit_s)
     candidates: list[Candidate] = []
+    rejected: list[tuple[str, str]] = []
     bounds = []
     greedy_jobs = []   # (family, layout, stage costs, stage memory, simulate kwargs)
     for fam, layout in layouts.items():
@@ -168,7 +173,7 @@ def search(num_ranks: int, num_microbatches: int, F=1.0, B=2.0, W=1.0, comm=0.0,
         bounds.append(_layout_bound(layout, sc))
         for name in _HAND[fam]:   # cheap (linear in the ops): always in the pool
             try:
-                _add(candidates, fam, name, GENERATORS[name](p, m), sim_kw)
+                _add(candidates, rejected, fam, name, GENERATORS[name](p, m), sim_kw)
             except ValueError:
                 pass   # a size the hand-written schedule does not support
         greedy_jobs.append((fam, layout, sc, smem, sim_kw))
@@ -188,7 +193,7 @@ def search(num_ranks: int, num_microbatches: int, F=1.0, B=2.0, W=1.0, comm=0.0,
                 sched = greedy_schedule(layout, F=sc["F"], I=sc["I"], W=sc["W"], FB=sc["FB"], comm=sc["comm"],
                                         cap=cap, mem_F=smem["F"], mem_I=smem["I"], mem_I_free=smem["I_free"],
                                         policy=pol, name=f"search-{fam}")
-                _add(candidates, fam, f"greedy {pol.label()} cap {cap:g}", sched, sim_kw)
+                _add(candidates, rejected, fam, f"greedy {pol.label()} cap {cap:g}", sched, sim_kw)
                 if sched is not None and not sched.option("cap_binding"):
                     break   # the cap refused nothing: every larger cap builds this schedule
     if not candidates:
@@ -214,13 +219,10 @@ def search(num_ranks: int, num_microbatches: int, F=1.0, B=2.0, W=1.0, comm=0.0,
             # nothing beats the incumbent: the best greedy one-stage-per-rank schedule is optimal
             status, obj, dual = "optimal (greedy)", incumbent, incumbent
         milp_info = {"status": status, "objective": obj, "dual_bound": dual}
-        if sched is not None:
-            t = simulate(sched, F=sc["F"], B=sc["I"] + sc["W"], W=sc["W"], I=sc["I"], comm=sc["comm"],
-                         memory=per_rank_mem)
-            cd = Candidate("zb", f"milp ({status})", float(t.peak_memory.max()), t.makespan, sched)
-            candidates.append(cd)
-            if cd.peak_memory <= budget + 1e-9 and cd.makespan < best.makespan - 1e-9:
-                best = cd
+        cd = _add(candidates, rejected, "zb", f"milp ({status})", sched,
+                  dict(F=sc["F"], B=sc["I"] + sc["W"], W=sc["W"], I=sc["I"], comm=sc["comm"], memory=per_rank_mem))
+        if cd is not None and cd.peak_memory <= budget + 1e-9 and cd.makespan < best.makespan - 1e-9:
+            best = cd
     layout = best.schedule.layout
     fam = best.family
     sc = _stage_view(layout, fam, per_rank_costs)
@@ -228,14 +230,22 @@ def search(num_ranks: int, num_microbatches: int, F=1.0, B=2.0, W=1.0, comm=0.0,
     timeline = simulate(best.schedule, F=sc["F"], B=sc["I"] + sc["W"], W=sc["W"], I=sc["I"], FB=sc["FB"],
                         comm=sc["comm"], memory={k: smem[k] for k in ("F", "I", "I_free")})
     return SearchResult(best.schedule, timeline, float(min(bounds)), pareto(candidates), candidates,
-                        milp_info, best.label, complete, pool_best.makespan)
+                        milp_info, best.label, complete, pool_best.makespan, rejected)
 
 
-def _add(candidates: list, fam: str, label: str, s: Schedule | None, sim_kw: dict) -> None:
+def _add(candidates: list, rejected: list, fam: str, label: str, s: Schedule | None,
+         sim_kw: dict) -> Candidate | None:
+    """Validate and simulate ``s``; keep it as a candidate, or record why it was dropped."""
     if s is None:
-        return
-    t = simulate(s, check=False, **sim_kw)
-    candidates.append(Candidate(fam, label, float(t.peak_memory.max()), t.makespan, s))
+        return None
+    try:
+        t = simulate(s, check=True, **sim_kw)
+    except ScheduleError as e:
+        rejected.append((f"{fam}: {label}", str(e)))
+        return None
+    cd = Candidate(fam, label, float(t.peak_memory.max()), t.makespan, s)
+    candidates.append(cd)
+    return cd
 
 
 def pareto(candidates) -> list[tuple[float, float]]:

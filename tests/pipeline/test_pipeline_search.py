@@ -6,6 +6,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import pdjax.pipeline as pp
 from pdjax.pipeline.bound import lower_bound
@@ -72,6 +74,49 @@ def test_returned_schedule_validates_fits_and_simulates(budget):
     assert t.peak_memory.max() == pytest.approx(res.timeline.peak_memory.max())
     assert res.lower_bound <= res.makespan + 1e-9
     assert all(res.lower_bound <= c.makespan + 1e-9 for c in res.candidates)
+
+
+def _check_result(res, p, m, costs, budget):
+    """The result validates, fits ``budget`` and simulates, from the inputs alone, to the
+    makespan and peak it reports; every kept candidate validates too."""
+    res.schedule.validate()
+    scale = 0.5 if res.schedule.layout == Layout.v_shape(p, m) else 1.0   # a V stage holds half a rank
+    t = pp.simulate(res.schedule, F=costs["F"] * scale, B=costs["B"] * scale, W=costs["W"] * scale,
+                    comm=costs["comm"], memory={"F": scale})
+    assert t.makespan == pytest.approx(res.makespan)
+    assert t.peak_memory.max() == pytest.approx(res.timeline.peak_memory.max())
+    assert res.timeline.peak_memory.max() <= budget + 1e-9
+    for c in res.candidates:
+        c.schedule.validate()
+
+
+def test_milp_stopped_by_the_time_limit_never_returns_an_invalid_schedule():
+    """The reported bug: with I = B - W = 0 the solver's start times meet W >= I only to a
+    tolerance (W3 at 14.0, I3 at 14.000000001), and ordering by raw time put 0W3 before 0I3;
+    search then failed with ScheduleError at 2 s and 3 s (not at 1 s)."""
+    costs = dict(F=1.0, B=1.0, W=1.0, comm=0.0)
+    res = search(num_ranks=4, num_microbatches=12, **costs, memory_budget=6, time_limit_s=2)
+    _check_result(res, 4, 12, costs, 6)
+    assert res.milp["status"] in ("optimal", "time limit", "optimal (greedy)", "infeasible")
+    assert not [r for r in res.rejected if r[0].startswith("zb: milp")]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(p=st.integers(1, 4), m=st.integers(1, 8), F=st.sampled_from([0.5, 1.0, 2.0]),
+       I=st.sampled_from([0.0, 0.5, 1.0, 2.0]), W=st.sampled_from([0.0, 0.5, 1.0]),
+       comm=st.sampled_from([0.0, 0.05, 0.5]), extra=st.integers(0, 8),
+       time_limit=st.sampled_from([1e-4, 0.01, 0.05, 0.2, 0.6]))
+def test_search_property_every_result_valid_within_budget(p, m, F, I, W, comm, extra, time_limit):
+    """Whatever the sizes, costs (ties and zero-length ops included) and time limit, the
+    returned schedule validates, fits the budget and simulates to what it reports."""
+    costs = dict(F=F, B=I + W, W=W, comm=comm)
+    budget = 1.0 + extra / 2
+    try:
+        res = search(p, m, **costs, memory_budget=budget, time_limit_s=time_limit)
+    except ValueError as e:   # only the documented 'nothing fits' outcome
+        assert "no schedule found within memory_budget" in str(e)
+        return
+    _check_result(res, p, m, costs, budget)
 
 
 def test_larger_budget_never_longer_and_dominates_hand_written():
