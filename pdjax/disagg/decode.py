@@ -182,10 +182,8 @@ class DecodePool:
         on the owning rank's device) into the request's reserved blocks: a local write into
         that rank's shard of the pool, in place (the shard is donated: a chunk costs its own bytes,
         not the pool's); the other ranks' shards are untouched (no data moves)."""
+        self.check_payload(res, layer, rows_TL, start)
         T = rows_TL.shape[0]
-        if start < 0 or start + T > len(res.request.prompt):
-            raise ValueError(f"request {res.request.index}: rows {start}..{start + T - 1} outside its "
-                             f"{len(res.request.prompt)}-token prompt")
         pos = start + np.arange(T)
         index = np.stack([np.asarray(res.blocks, np.int32)[pos // self.block_size],
                           (pos % self.block_size).astype(np.int32)])
@@ -201,6 +199,32 @@ class DecodePool:
         if not res.rows_received:
             res.rows_received = [0] * self.cfg.num_hidden_layers
         res.rows_received[layer] += T
+
+    def check_payload(self, res: Reservation, layer, rows_TL, start) -> None:
+        """Raise ValueError naming what is wrong with an arrived layer payload before any of
+        it is written: the layer index, the rows' type, shape ``[T, C+R]`` (T >= 1, inside the
+        prompt from ``start``, within what the layer still lacks), dtype (one the prefill
+        produces: the config's param, compute or cache dtype) and device (the reserving rank's)."""
+        cfg, who = self.cfg, f"request {res.request.index} layer {layer!r}"
+        if not isinstance(layer, (int, np.integer)) or not 0 <= layer < cfg.num_hidden_layers:
+            raise ValueError(f"{who}: no such layer (the model has {cfg.num_hidden_layers})")
+        if not isinstance(rows_TL, jax.Array):
+            raise ValueError(f"{who}: payload is a {type(rows_TL).__name__}, not a jax.Array")
+        W, T, n = cfg.kv_latent_dim, (rows_TL.shape[0] if rows_TL.ndim else 0), len(res.request.prompt)
+        if rows_TL.ndim != 2 or rows_TL.shape[1] != W or T < 1:
+            raise ValueError(f"{who}: payload of shape {tuple(rows_TL.shape)}, expected [T >= 1, {W}]")
+        if not isinstance(start, (int, np.integer)) or start < 0 or start + T > n:
+            raise ValueError(f"{who}: rows {start}..{start + T - 1} outside its {n}-token prompt")
+        have = res.rows_received[layer] if res.rows_received else 0
+        if have + T > n:
+            raise ValueError(f"{who}: {T} more rows after {have} of a {n}-token prompt")
+        allowed = {cfg.param_dtype, cfg.compute_dtype, cfg.kv_cache_dtype}
+        if rows_TL.dtype.name not in allowed:
+            raise ValueError(f"{who}: payload dtype {rows_TL.dtype.name}, expected one of {sorted(allowed)}")
+        want = self.rank_devices[res.rank]
+        if rows_TL.devices() != {want}:
+            raise ValueError(f"{who}: payload on {sorted(rows_TL.devices(), key=lambda d: d.id)}, expected on "
+                             f"rank {res.rank}'s device {want}")
 
     def cancel(self, res: Reservation) -> None:
         if res in self.pending:

@@ -34,7 +34,6 @@ decodes.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import queue
 import threading
@@ -108,7 +107,7 @@ class PDEngine:
             link_bandwidth_Bps = measure_link_bandwidth(prefill_devices[0], decode_devices[0])
         self.link_bandwidth_Bps = link_bandwidth_Bps
         # one pool: a step is either a prefill chunk or a decode step, never both at once
-        self._pool_lock = FifoLock() if colocated else contextlib.nullcontext()
+        self._pool_lock = FifoLock() if colocated else None
         self.store = None
         if prefix_cache:
             opts = {"device_blocks": 0, "host_blocks": 256, **(prefix_cache if isinstance(prefix_cache, dict) else {})}
@@ -203,6 +202,7 @@ class PDEngine:
             run.loop.run([Submit(r, r.arrival, options=(True, retention)) for r in reqs if r.error is None])
         finally:
             run.stop()
+            sched.abandon()                           # an error escaped: leave no block or slot held
         self._record_stats(reqs, clock, run.signals, sched)
         self.stats.update(worker_restarts=run.restarts, trace=sched.trace,
                           prefix_insert_errors=[e for w in run.workers for e in w.insert_errors])
@@ -261,7 +261,9 @@ class _Run:
     """The drivers of one ``generate``: a prefill worker thread per prefill pool (each
     attempt to the worker predicted to finish it first), the decode loop on the calling
     thread, and the DOPD signals. A worker that dies (a BaseException escaping its run) fails
-    its attempt and is started again; the request is prefilled again like any failure."""
+    its attempt and is started again; the request is prefilled again like any failure. An
+    attempt cancelled while its thread runs it (a send that stalls, or never returns) gets
+    the worker a fresh thread for the next jobs; the old one ends when its call returns."""
 
     def __init__(self, eng: PDEngine, sched: DecodeScheduler, clock, on_token):
         self.eng, self.sched, self.clock, self.on_token = eng, sched, clock, on_token
@@ -276,29 +278,38 @@ class _Run:
         self.assigned: dict = {}                  # (request, attempt) -> worker
         self.restarts = 0
         self._stop = threading.Event()
+        self.generation = [0] * len(self.workers)  # a worker's current thread; older ones end
+        self.running: list = [None] * len(self.workers)   # (request, attempt) its thread runs
         self.threads = [self._start(w) for w in range(len(self.workers))]
 
     def _start(self, w: int) -> threading.Thread:
-        t = threading.Thread(target=self._work, args=(w,), daemon=True)
+        self.generation[w] += 1
+        self.running[w] = None
+        t = threading.Thread(target=self._work, args=(w, self.generation[w]), daemon=True)
         t.start()
         return t
 
-    def _work(self, w: int) -> None:
+    def _work(self, w: int, generation: int) -> None:
         worker, jobs = self.workers[w], self.jobs[w]
-        while not self._stop.is_set():
+        while not self._stop.is_set() and self.generation[w] == generation:
             try:
                 job = jobs.get(timeout=0.05)
             except queue.Empty:
                 continue
+            self.running[w] = (job.request, job.attempt)
             try:
                 worker.run(job, self.loop.post)
             except BaseException as e:  # noqa: BLE001 - the worker died: the loop restarts it
-                self.loop.post(functools.partial(self._died, w, job, e))
+                self.loop.post(functools.partial(self._died, w, generation, job, e))
                 return
+            finally:
+                if self.generation[w] == generation:
+                    self.running[w] = None
 
-    def _died(self, w: int, job: PrefillJob, error: BaseException, loop: DecodeLoop) -> None:
-        self.restarts += 1
-        self.threads[w] = self._start(w)
+    def _died(self, w: int, generation: int, job: PrefillJob, error: BaseException, loop: DecodeLoop) -> None:
+        if generation == self.generation[w]:      # (an abandoned thread was replaced already)
+            self.restarts += 1
+            self.threads[w] = self._start(w)
         loop.handle(Failed(job.request, job.attempt, f"the prefill worker died: {type(error).__name__}: {error}",
                            self.clock.now()))
 
@@ -309,7 +320,10 @@ class _Run:
                 self.assigned[(a.attempt.request.index, a.attempt.number)] = w
                 self.jobs[w].put(PrefillJob.of(a.attempt))
             elif isinstance(a, CancelPrefill):
-                self.workers[self.assigned.pop((a.request, a.attempt))].cancel(a.request, a.attempt)
+                w = self.assigned.pop((a.request, a.attempt))
+                self.workers[w].cancel(a.request, a.attempt)
+                if self.running[w] == (a.request, a.attempt):   # its thread may be held in a send
+                    self.threads[w] = self._start(w)
             elif isinstance(a, Admitted):
                 self.signals.kv_waits.append(a.request.kv_wait_s)
             elif isinstance(a, Token) and self.on_token is not None:

@@ -52,7 +52,11 @@ class DecodeLoop:
         if until is None:
             until = lambda: not upcoming and self.sched.remaining == 0       # noqa: E731
         while not self.stopped and not until():
-            while upcoming and upcoming[0].t <= self.clock.now():
+            # the deadlines are checked at a time read before the inbox is taken: progress
+            # made (stamped and posted) by then is handled first, so an attempt is never
+            # timed out while its progress waits in the inbox
+            now = self.clock.now()
+            while upcoming and upcoming[0].t <= now:
                 self.handle(upcoming.popleft())
             for item in self._take(upcoming):
                 if callable(item):
@@ -61,7 +65,7 @@ class DecodeLoop:
                     self.handle(item)
                 if self.stopped:
                     return
-            self.handle(Tick(self.clock.now()))
+            self.handle(Tick(now))
             if self.on_turn is not None:
                 self.on_turn()
             if self.sched.running:

@@ -87,6 +87,13 @@ def chunk_plan(total: int, start: int, chunk) -> list[tuple[int, int]]:
     return plan
 
 
+def _flush(sends: list, push) -> None:
+    """Make the pushes a locked chunk recorded, in order, now that the lock is released."""
+    for args in sends:
+        push(*args)
+    sends.clear()
+
+
 class PrefillPool:
     def __init__(self, params, cfg: ModelConfig, devices, mesh_axes: dict):
         self.cfg = cfg
@@ -110,8 +117,10 @@ class PrefillPool:
         attending to its prefix rows, which the iterator delivers layer by layer.
         ``chunk``: see :func:`chunk_plan`; the chunks run one after another, each through all
         layers, attending to the rows of the earlier ones (``req.prefill_chunks`` records the
-        sizes). ``step_lock``: a context manager held around each chunk (a colocated pool
-        lets decode steps run between chunks).
+        sizes). ``step_lock``: a context manager held around each chunk's compute (a
+        colocated pool lets decode steps run between chunks); no lock is held across a
+        transport call: under a lock, a chunk's ``push`` calls run once it is released, so a
+        stalled send never blocks the decode steps (nor the deadline that cancels it).
         ``timeline``: a :class:`pdjax.disagg.timeline.Timeline` to record each layer's compute.
         ``chunk_times``: a list to append each chunk's wall seconds to (the chunk is waited
         for, so only for calibration)."""
@@ -119,44 +128,56 @@ class PrefillPool:
         P, loaded = prefix if prefix else (0, None)
         plan = chunk_plan(T, P, chunk)
         req.prefill_chunks = [q for _, q in plan]
-        step_lock = step_lock or contextlib.nullcontext()
-        layers = self.params["layers"]
+        sends: list = []                                 # a locked chunk's pushes, made after it
+        if step_lock is None:
+            step_lock, send = contextlib.nullcontext(), push
+        else:
+            send = lambda *args: sends.append(args)      # noqa: E731
         if loaded is None and len(plan) == 1:            # the whole prompt, no cache: one pass
             t0 = time.perf_counter()
             with step_lock:
-                x, rows = self._fresh(req.prompt, push, timeline)
+                x, rows = self._fresh(req.prompt, send, timeline)
+            _flush(sends, push)
             if chunk_times is not None:
                 x.block_until_ready()
                 chunk_times.append(time.perf_counter() - t0)
             return self._first_token(req, x, T - 1), rows
         size = max(pos + bucket(q, self.size) for pos, q in plan)
         size = bucket(size, self.size)
-        kvs = [None] * len(layers)
+        kvs = [None] * len(self.params["layers"])
         for pos, q in plan:
-            tokens, q_pos, valid = self._inputs(req.prompt, pos, q)
-            start = self._put(np.array([pos], np.int32))
             t0 = time.perf_counter()
             with step_lock:
-                x = _embed(self.params, self.cfg, tokens)
-                for l, lp in enumerate(layers):
-                    if kvs[l] is None:
-                        if loaded is not None:
-                            layer_idx, prefix_rows = next(loaded)
-                            assert layer_idx == l, (layer_idx, l)
-                            kvs[l] = _cache_buffer(prefix_rows, size)
-                        else:
-                            kvs[l] = jnp.zeros((1, size, self.cfg.kv_latent_dim), self.params["embed"].dtype,
-                                               device=self.replicated)
-                    x, kvs[l] = _layer_cached(lp, self.cfg, x, q_pos, kvs[l], start, valid, self.ep,
-                                              self.replicated)
-                    if timeline is not None:
-                        timeline.record("prefill compute", f"layer {l}", x)
-                    lo = 0 if pos == P else pos           # the first chunk also sends the cached prefix
-                    push(l, kvs[l][0, lo:pos + q], lo)
+                x = self._chunk(req.prompt, pos, q, P, kvs, size, loaded, send, timeline)
                 if chunk_times is not None:
                     x.block_until_ready()
                     chunk_times.append(time.perf_counter() - t0)
+            _flush(sends, push)
         return self._first_token(req, x, plan[-1][1] - 1), [kv[0, :T] for kv in kvs]
+
+    def _chunk(self, prompt, pos: int, q: int, P: int, kvs: list, size: int, loaded, send, timeline):
+        """Prompt positions pos..pos+q-1 through every layer, each continuing its cache
+        ``kvs[l]`` (made on the first chunk: the cached prefix's rows from ``loaded``, or
+        zeros, ``size`` rows) and sending its new rows (the first chunk also the prefix's).
+        Returns the chunk's hidden states."""
+        tokens, q_pos, valid = self._inputs(prompt, pos, q)
+        start = self._put(np.array([pos], np.int32))
+        x = _embed(self.params, self.cfg, tokens)
+        for l, lp in enumerate(self.params["layers"]):
+            if kvs[l] is None:
+                if loaded is not None:
+                    layer_idx, prefix_rows = next(loaded)
+                    assert layer_idx == l, (layer_idx, l)
+                    kvs[l] = _cache_buffer(prefix_rows, size)
+                else:
+                    kvs[l] = jnp.zeros((1, size, self.cfg.kv_latent_dim), self.params["embed"].dtype,
+                                       device=self.replicated)
+            x, kvs[l] = _layer_cached(lp, self.cfg, x, q_pos, kvs[l], start, valid, self.ep, self.replicated)
+            if timeline is not None:
+                timeline.record("prefill compute", f"layer {l}", x)
+            lo = 0 if pos == P else pos           # the first chunk also sends the cached prefix
+            send(l, kvs[l][0, lo:pos + q], lo)
+        return x
 
     def _inputs(self, prompt, pos: int, q: int):
         """Tokens pos..pos+q-1 padded to their bucket, their positions, and the validity mask

@@ -168,7 +168,9 @@ class DecodeScheduler:
     """See the module docstring. ``handle(event) -> [actions]``; ``remaining``: requests
     submitted and not ended; ``stats``: counters (``handoff_timeouts``, ``stale_messages``,
     ``pool_full``: reservations refused for want of blocks or slots, i.e. back-pressure;
-    ``corrupt_payloads``: attempts whose chunks arrived with another checksum than sent).
+    ``corrupt_payloads``: attempts whose chunks arrived with another checksum than sent;
+    ``malformed_payloads``: attempts a layer of which the pool refused, e.g. the wrong shape,
+    dtype or device: the attempt fails and is retried, the other requests go on).
 
     ``checksum``: rows -> checksum of an arriving chunk (e.g. :func:`pdjax.disagg.link.checksum`;
     None: payloads are not checked); a ``Ready`` whose ``checksums`` differ from what arrived
@@ -188,7 +190,8 @@ class DecodeScheduler:
         self.waiting: collections.deque = collections.deque()   # (request, timeout_s, options), not reserved
         self.attempts: dict[int, Attempt] = {}                   # request index -> current attempt
         self.remaining = 0
-        self.stats = {"handoff_timeouts": 0, "stale_messages": 0, "pool_full": 0, "corrupt_payloads": 0}
+        self.stats = {"handoff_timeouts": 0, "stale_messages": 0, "pool_full": 0, "corrupt_payloads": 0,
+                      "malformed_payloads": 0}
         self._options: dict[int, tuple] = {}
         self.checksum, self.trace = checksum, trace
 
@@ -220,6 +223,18 @@ class DecodeScheduler:
             self.trace.extend((event.t, type(a).__name__, _index(a)) for a in out)
         return out
 
+    def abandon(self) -> None:
+        """Give back everything the pool holds for this scheduler's requests (open
+        reservations, running slots): what a driver calls when it stops early (an error
+        escaped its loop), so the pool is left as it was found."""
+        for a in list(self.attempts.values()):
+            self.pool.cancel(a.res)
+        self.attempts.clear()
+        for slot, res in enumerate(self.pool.slot_req):
+            if res is not None:
+                self.pool.release(slot)
+        self.waiting.clear()
+
     def deadline(self) -> float:
         """The earliest deadline of the attempts in flight (inf: none)."""
         return min((a.deadline() for a in self.attempts.values()), default=math.inf)
@@ -244,7 +259,13 @@ class DecodeScheduler:
         if kind is Started:
             a.last = event.t
         elif kind is LayerArrived:
-            self.pool.receive_layer(a.res, event.layer, event.rows, event.start)
+            try:
+                self.pool.receive_layer(a.res, event.layer, event.rows, event.start)
+            except Exception as e:  # noqa: BLE001 - a malformed payload fails its attempt, not the batch
+                self.stats["malformed_payloads"] += 1
+                out.append(CancelPrefill(a.request.index, a.number))
+                self._retry(a, f"malformed layer payload: {type(e).__name__}: {e}", event.t, out)
+                return
             if self.checksum is not None:
                 a.received.append((event.layer, event.start, self.checksum(event.rows)))
             a.request.kv_bytes_sent += event.nbytes

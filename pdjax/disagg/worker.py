@@ -13,7 +13,6 @@ store (a store failure costs a cache entry only).
 
 from __future__ import annotations
 
-import contextlib
 import threading
 
 from pdjax.disagg.link import Cancelled, Chunk, checksum, checksums_to_host
@@ -26,14 +25,14 @@ from pdjax.disagg.wire import PrefillJob
 class PrefillWorker:
     """Runs prefill jobs on ``pool`` (a :class:`~pdjax.disagg.prefill.PrefillPool`), sending
     each layer's rows on ``link``. ``chunk``: what ``PrefillPool.run`` takes (None, a size,
-    or chunk(position)); ``step_lock``: held around each chunk (a colocated engine);
+    or chunk(position)); ``step_lock``: held around each chunk's compute (a colocated engine; None: none);
     ``clock``: stamps the events (``now()``); ``timeline``: a
     :class:`~pdjax.disagg.timeline.Timeline` recording each layer's compute and each chunk's
     copy (when the link's payload is an array), issued and ready."""
 
     def __init__(self, pool, link, clock, *, store=None, chunk=None, step_lock=None, timeline=None):
         self.pool, self.link, self.clock, self.store, self.timeline = pool, link, clock, store, timeline
-        self.chunk, self.step_lock = chunk, step_lock or contextlib.nullcontext()
+        self.chunk, self.step_lock = chunk, step_lock
         self._cancelled: set = set()
         self._lock = threading.Lock()
         self.insert_errors: list = []          # prefix-store inserts that failed (after Ready)

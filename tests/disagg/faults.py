@@ -46,7 +46,7 @@ class Fault:
     whose prompt has ``tokens`` tokens), ``times`` times. ``seconds``: a delay's length, or
     how far a stall moves a ManualClock (with a real clock a stall lasts until the attempt
     is cancelled, at most ``max_wait_s``)."""
-    kind: str                      # "fail" | "stall" | "delay" | "corrupt" | "kill"
+    kind: str                      # "fail" | "stall" | "hang" | "delay" | "corrupt" | "kill" | a MALFORMED kind
     layer: int = 1
     attempt: int = 1
     request: int | None = None
@@ -69,18 +69,38 @@ def flip_bit(rows):
     return jax.device_put(jax.lax.bitcast_convert_type(bits, rows.dtype), rows.sharding)
 
 
+MALFORMED = ("extra_row", "wrong_device", "wrong_dtype")   # payloads the decode side must refuse
+
+
+def malformed(kind: str, payload):
+    """``payload`` (the link's moved rows) spoiled as ``kind``: one row more, on another
+    device (the last one), or in float16."""
+    if kind == "extra_row":
+        return jnp.concatenate([payload, payload[:1]])
+    if kind == "wrong_device":
+        return jax.device_put(payload, jax.devices()[-1] if list(payload.devices())[0] != jax.devices()[-1]
+                              else jax.devices()[0])
+    return payload.astype(jnp.float16)
+
+
 class FaultyLink:
     """Wraps ``inner``; ``faults``: :class:`Fault` s armed now (more with ``arm``). ``fired``:
     (kind, request, attempt, layer) of every fault that went off; ``sent``: (request,
     attempt, layer, start) of every chunk that went through. ``clock``: a ManualClock that
     stalls and delays advance (None: they take real time); ``on_send(chunk)``: called for
-    every chunk before it goes (a recorder)."""
+    every chunk before it goes (a recorder). ``stall_ends``: how each stall ended
+    ("cancelled", or "waited out" when nothing cancelled it within ``max_wait_s``); a
+    "hang" ignores cancels and returns only once ``release`` is set (a send that never
+    returns); ``hanging``: hangs in progress."""
 
     def __init__(self, inner, faults=(), clock=None, server=None, on_send=None):
         self.inner, self.clock, self.server, self.on_send = inner, clock, server, on_send
         self.faults = list(faults)
         self.fired: list = []
         self.sent: list = []
+        self.stall_ends: list = []
+        self.release = threading.Event()
+        self.hanging = 0
         self._cancels: dict = {}
         self._lock = threading.Lock()
 
@@ -95,7 +115,10 @@ class FaultyLink:
         if fault is not None:
             chunk = self._inject(fault, chunk)
         self.sent.append((chunk.request, chunk.attempt, chunk.layer, chunk.start))
-        return self.inner.send(chunk)
+        payload, nbytes = self.inner.send(chunk)
+        if fault is not None and fault.kind in MALFORMED:
+            payload = malformed(fault.kind, payload)
+        return payload, nbytes
 
     def _inject(self, fault: Fault, chunk):
         key = (chunk.request, chunk.attempt)
@@ -114,8 +137,19 @@ class FaultyLink:
             event = self._cancels.setdefault(key, threading.Event())
             if self.clock is not None:
                 self.clock.advance(fault.seconds)
-            if event.wait(fault.max_wait_s):
+            cancelled = event.wait(fault.max_wait_s)
+            self.stall_ends.append("cancelled" if cancelled else "waited out")
+            if cancelled:
                 raise Cancelled()
+            return chunk
+        if fault.kind == "hang":                      # deaf to cancels: returns only when released
+            if self.clock is not None:
+                self.clock.advance(fault.seconds)
+            self.hanging += 1
+            self.release.wait()
+            self.hanging -= 1
+            raise ConnectionError("injected: a hung transfer was released")
+        if fault.kind in MALFORMED:                   # the payload is spoiled after the inner send
             return chunk
         raise ValueError(f"unknown fault kind {fault.kind!r}")
 
@@ -143,6 +177,50 @@ class FaultyLink:
 def wrap(link, server) -> FaultyLink:
     """The prefill process's link wrapper (``--link-wrapper tests/disagg/faults.py:wrap``)."""
     return FaultyLink(link, server=server)
+
+
+def free_blocks(eng) -> list:
+    """Free KV blocks per decode rank of an engine."""
+    pool = eng.decode
+    return [pool.alloc.available(k) for k in range(pool.ranks)]
+
+
+def assert_nothing_held(eng, free_before) -> None:
+    """No reservation pending, no slot running, every block back."""
+    pool = eng.decode
+    assert pool.pending == [] and all(r is None for r in pool.slot_req)
+    assert free_blocks(eng) == free_before
+
+
+def run_with_faults(eng, prompts, faults, max_new_tokens=5, **kw):
+    """``eng.generate`` on a ManualClock with its link wrapped in a FaultyLink armed with
+    ``faults``; returns (outputs, the FaultyLink)."""
+    clock = ManualClock()
+    link = FaultyLink(eng.link, faults, clock=clock)
+    eng.link = link
+    try:
+        return eng.generate(prompts, max_new_tokens=max_new_tokens, clock=clock, **kw), link
+    finally:
+        eng.link = link.inner
+
+
+def run_with_hang(eng, prompts, fault, max_new_tokens=5, watchdog_s: float = 30.0):
+    """``eng.generate`` while ``fault`` (a "hang": a send that never returns) holds one send;
+    returns (outputs, how many sends still hung when generate returned). A watchdog releases
+    the hang after ``watchdog_s``, so an engine that waits for it fails its test instead of
+    hanging the suite; the hang is released on the way out."""
+    clock = ManualClock()
+    link = FaultyLink(eng.link, [fault], clock=clock)
+    watchdog = threading.Timer(watchdog_s, link.release.set)
+    watchdog.start()
+    eng.link = link
+    try:
+        out = eng.generate(prompts, max_new_tokens=max_new_tokens, clock=clock)
+        return out, link.hanging
+    finally:
+        eng.link = link.inner
+        link.release.set()
+        watchdog.cancel()
 
 
 @jax.jit

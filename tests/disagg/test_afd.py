@@ -15,7 +15,7 @@ from pdjax.disagg import AFDEngine, RequestError
 from pdjax.disagg.request import Request
 from pdjax.disagg.timeline import Timeline
 
-from faults import FailingFFN, SlowExchange
+from faults import Fault, FailingFFN, SlowExchange, assert_nothing_held, free_blocks, run_with_faults, run_with_hang
 from host_transfers import device_fetches
 
 # a donation XLA cannot honour (no output to alias) warns: make it fail the tests
@@ -278,3 +278,26 @@ def test_bad_options_fail_before_compute(cfg, params, M, N, m, slots, match):
 def test_overlapping_devices_fail(cfg, params):
     with pytest.raises(ValueError, match=r"must be disjoint; both hold device ids \[3\]"):
         AFDEngine(params, cfg, attention_devices=jax.devices()[:4], ffn_devices=jax.devices()[3:7])
+
+
+def test_engine_survives_a_stalled_a_hung_and_a_malformed_send(eng, prompts, expected):
+    """AFD's prefill shares the attention devices' pool lock (as a colocated engine's): a
+    stalled send of request 2 is cancelled by its 1 s deadline while requests 0 and 1 decode,
+    a send that never returns costs its request one attempt, and a float16 payload on every
+    attempt fails request 2 alone; the others finish exactly and nothing stays held."""
+    eng.handoff_timeout_s = 1.0
+    long = [40, 40, NEW, NEW]
+    try:
+        free = free_blocks(eng)
+        out, link = run_with_faults(eng, prompts[:4], [Fault("stall", request=2, seconds=10.0, max_wait_s=20.0)],
+                                    long)
+        assert [o[:NEW] for o in out] == expected[:4] and link.stall_ends == ["cancelled"]
+        out, hanging = run_with_hang(eng, prompts[:4], Fault("hang", request=2, seconds=10.0), long)
+        assert hanging == 1 and [o[:NEW] for o in out] == expected[:4]
+        assert [r["prefill_attempts"] for r in eng.stats["requests"]] == [1, 1, 2, 1]
+        out, _ = run_with_faults(eng, prompts[:4], [Fault("wrong_dtype", request=2, attempt=a) for a in (1, 2, 3)])
+        assert isinstance(out[2], RequestError) and "payload dtype float16" in str(out[2])
+        assert out[:2] + out[3:] == expected[:2] + expected[3:4]
+        assert_nothing_held(eng, free)
+    finally:
+        eng.handoff_timeout_s = None

@@ -9,9 +9,10 @@ import collections
 
 import jax
 import pytest
-from faults import Fault, FaultyLink, ManualClock
+from faults import (Fault, FaultyLink, ManualClock, assert_nothing_held, free_blocks, run_with_faults,
+                    run_with_hang)
 
-from pdjax.disagg import PDEngine
+from pdjax.disagg import ColocatedEngine, PDEngine, RequestError
 
 ITEMSIZE = 4
 
@@ -52,3 +53,84 @@ def test_every_link_fault_is_survived(engine, tiny_cfg, pd_prompts, pd_expected)
     pool = engine.decode
     assert pool.pending == [] and all(r is None for r in pool.slot_req)
     assert [pool.alloc.available(k) for k in range(pool.ranks)] == [pool.alloc.num_blocks - 1] * pool.ranks
+
+
+# ---- the engine survives payload and exchange faults (PD and colocated) -----------------------
+@pytest.fixture(scope="module")
+def colocated(tiny_cfg, tiny_params):
+    return ColocatedEngine(tiny_params, tiny_cfg, devices=jax.devices()[:4], mesh={"expert": 4},
+                           max_decode_slots=4, max_context=256, handoff_timeout_s=1.0)
+
+
+@pytest.fixture(params=["pd", "colocated"])
+def any_engine(request, engine, colocated):
+    return engine if request.param == "pd" else colocated
+
+
+# requests 0 and 1 are still decoding (40 tokens) when request 2's prefill sends
+LONG = [40, 40, 5, 5]
+
+
+def _first5(out):
+    return [o[:5] for o in out]
+
+
+def test_a_stalled_send_is_cancelled_by_its_deadline(any_engine, pd_prompts, pd_expected):
+    """Request 2's layer-1 send stalls (and moves the clock 10 s past its 1 s deadline): the
+    decode loop keeps stepping (requests 0 and 1 are decoding), the deadline cancels the send (the stall ends "cancelled", not
+    after its 20 s of real waiting) and the request is prefilled again. A colocated engine
+    held its pool lock across the send: the loop froze until the stall gave up."""
+    free = free_blocks(any_engine)
+    out, link = run_with_faults(any_engine, pd_prompts[:4], [Fault("stall", request=2, seconds=10.0, max_wait_s=20.0)], LONG)
+    assert _first5(out) == pd_expected[:4]
+    assert link.stall_ends == ["cancelled"]
+    assert [r["handoff_timeouts"] for r in any_engine.stats["requests"]] == [0, 0, 1, 0]
+    assert_nothing_held(any_engine, free)
+
+
+def test_a_send_that_never_returns_fails_only_its_attempt(any_engine, pd_prompts, pd_expected):
+    """Request 2's layer-1 send never returns (deaf to the cancel): its deadline fires, the
+    prefill worker gets a fresh thread and the retry finishes while the first send still
+    hangs; the other requests finish with the right tokens. (A watchdog releases the hang
+    after 30 s, so a broken engine fails this test instead of hanging the suite.)"""
+    free = free_blocks(any_engine)
+    out, still_hanging = run_with_hang(any_engine, pd_prompts[:4], Fault("hang", request=2, seconds=10.0), LONG)
+    assert still_hanging == 1 and _first5(out) == pd_expected[:4]
+    reqs = any_engine.stats["requests"]
+    assert [r["handoff_timeouts"] for r in reqs] == [0, 0, 1, 0]
+    assert [r["prefill_attempts"] for r in reqs] == [1, 1, 2, 1]
+    assert_nothing_held(any_engine, free)
+
+
+@pytest.mark.parametrize("kind,says", [("extra_row", "outside its"), ("wrong_device", "expected on rank"),
+                                       ("wrong_dtype", "payload dtype float16")])
+def test_a_malformed_payload_fails_only_its_request(any_engine, pd_prompts, pd_expected, kind, says):
+    """Every attempt of request 2 delivers a malformed layer 1 (one row too many, on another
+    device, float16): the decode pool refuses it before writing, the attempt fails and is
+    retried, and after its 3 attempts the request fails alone with the reason; the others
+    finish with the right tokens, no block or reservation is left held, and the engine serves
+    a clean run next. A payload spoiled once costs one retry only."""
+    free = free_blocks(any_engine)
+    out, _ = run_with_faults(any_engine, pd_prompts[:4], [Fault(kind, request=2, attempt=a) for a in (1, 2, 3)])
+    assert isinstance(out[2], RequestError) and "malformed layer payload" in str(out[2]) and says in str(out[2])
+    assert [o for i, o in enumerate(out) if i != 2] == [e for i, e in enumerate(pd_expected[:4]) if i != 2]
+    assert any_engine.stats["malformed_payloads"] == 3
+    assert_nothing_held(any_engine, free)
+    out, _ = run_with_faults(any_engine, pd_prompts[:4], [Fault(kind, request=1)])
+    assert out == pd_expected[:4] and any_engine.stats["malformed_payloads"] == 1
+    assert [r["prefill_attempts"] for r in any_engine.stats["requests"]] == [1, 2, 1, 1]
+    assert_nothing_held(any_engine, free)
+
+
+def test_an_error_escaping_generate_leaves_the_pool_as_it_was(any_engine, pd_prompts, pd_expected):
+    """A caller's on_token raises mid-run: generate raises it, and the requests it held
+    (reserved blocks, running slots) are given back; the next run is clean."""
+    free = free_blocks(any_engine)
+
+    def on_token(i, t):
+        if i == 0:
+            raise RuntimeError("the caller's callback failed")
+    with pytest.raises(RuntimeError, match="callback failed"):
+        run_with_faults(any_engine, pd_prompts[:4], [], on_token=on_token)
+    assert_nothing_held(any_engine, free)
+    assert run_with_faults(any_engine, pd_prompts[:4], [])[0] == pd_expected[:4]
