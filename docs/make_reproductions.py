@@ -37,6 +37,7 @@ SETUP = '''\
 import math
 import pdjax
 from pdjax import analysis as A, pipeline as pp
+from pdjax.schedules.formulas import bubble_ratio_1f1b, min_microbatches_1f1b
 
 v2, v3 = pdjax.configs.deepseek_v2(), pdjax.configs.deepseek_v3()
 h100, h800, h200, a100 = (A.hardware(n) for n in ("h100-sxm", "h800", "h200", "a100"))
@@ -108,7 +109,7 @@ def bubble_1f1b(m: int) -> Row:
     ratio = {16: 48.4, 32: 31.9, 64: 19.0, 128: 10.5, 256: 5.5}[m]
     return Row(f"1F1B bubble ratio (P-1)/(m+P-1), P = 16, m = {m}", Published(ratio, 1),
                f'100 * pp.simulate(pp.build("1f1b", 16, {m}), F=1.0, B=2.0).bubble_ratio', "{:.2f}", "%",
-               f"simulated; the closed form `pp.bubble_ratio_1f1b(16, {m})` is equal")
+               f"simulated; the closed form `bubble_ratio_1f1b(16, {m})` is equal")
 
 
 SECTIONS: list[tuple[str, list[Row]]] = [
@@ -205,7 +206,7 @@ SECTIONS: list[tuple[str, list[Row]]] = [
     ("Pipeline bubbles", [
         *(bubble_1f1b(m) for m in (16, 32, 64, 128, 256)),
         Row("Micro-batches for a 1F1B bubble below 10 %, P = 16: m > 9(P-1)", Published(136, 0, "≈ 136"),
-            "pp.min_microbatches_1f1b(16, 0.10)", "{:d}", ""),
+            "min_microbatches_1f1b(16, 0.10)", "{:d}", ""),
         Row("1F1B bubble per device, P = 8", Formula("(P-1)(F+B)", 'pp.bubble_formula("1f1b", 8, **costs)'),
             'pp.simulate(pp.build("1f1b", 8, 20), F=1.0, B=2.0).bubble.max()', "{:g}", "F units",
             "simulated, every rank"),

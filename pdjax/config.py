@@ -169,7 +169,7 @@ class ModelConfig:
         active per token, per component; from :func:`pdjax.analysis.param_counts`)."""
         import html
 
-        from pdjax.analysis.params import param_counts
+        from pdjax.param_counts import param_counts
 
         keys = ("model_type", "num_hidden_layers", "hidden_size", "num_attention_heads", "q_lora_rank",
                 "kv_lora_rank", "qk_rope_head_dim", "n_routed_experts", "num_experts_per_tok",

@@ -18,7 +18,7 @@ def _loaded_after(statement: str) -> set:
     return set(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-@pytest.mark.parametrize("module", ["pdjax", "pdjax.pipeline", "pdjax.analysis", "pdjax.sim"])
+@pytest.mark.parametrize("module", ["pdjax", "pdjax.schedules", "pdjax.analysis", "pdjax.sim"])
 def test_pure_python_parts_load_no_jax(module):
     loaded = _loaded_after(f"import {module}")
     assert module in loaded

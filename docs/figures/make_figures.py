@@ -21,7 +21,7 @@ from pdjax import analysis as A
 from pdjax import pipeline as pp
 from pdjax import sim
 from pdjax.parallel.dbo import dbo_gain, overlap_timeline
-from pdjax.pipeline.gantt import draw as draw_gantt
+from pdjax.schedules.gantt import draw as draw_gantt
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DPI = 90

@@ -6,8 +6,8 @@
     pdjax.analysis.bubble_ratio_1f1b(num_stages, num_microbatches)
     print(pdjax.analysis.report(cfg, hw))             # the whole sheet (returned; verbose=True prints)
 
-Modules: ``units`` (GB vs GiB), ``hardware`` (presets, registry), ``params`` (total and
-active parameter counts), ``roofline`` (intensity, machine balance), ``kv`` (KV bytes,
+Modules: ``units`` (GB vs GiB), ``hardware`` (presets, registry), ``pdjax.param_counts``
+(total and active parameter counts), ``roofline`` (intensity, machine balance), ``kv`` (KV bytes,
 C_max, handoff), ``moe`` (k/E bound, EP weight bytes), ``afd`` (ping-pong bound, speedup),
 ``bubbles`` (1F1B), ``published`` (deployment facts used as inputs), ``report``.
 See docs/analysis.md for the formulas and the assumptions behind the reference figures
@@ -16,7 +16,7 @@ See docs/analysis.md for the formulas and the assumptions behind the reference f
 
 from pdjax.analysis.afd import (afd_min_microbatches, afd_min_microbatches_int, afd_speedup,
                                 attention_share, dbo_hides_ffn)
-from pdjax.analysis.bubbles import bubble_ratio_1f1b, bubble_table, microbatches_for_bubble
+from pdjax.analysis.bubbles import bubble_ratio_1f1b, bubble_table, min_microbatches_1f1b
 from pdjax.analysis.hardware import (FIGURES, PRESET_NAMES, HardwareSpec, dtype_bytes,
                                      hardware, hardware_names, register_hardware,
                                      unregister_hardware)
@@ -27,7 +27,7 @@ from pdjax.analysis.kv import (ATTENTION_KINDS, concurrency_bound, concurrency_b
 from pdjax.analysis.moe import (decode_batch_for_context, ep_weight_bytes_per_gpu,
                                 expert_balance_batch, moe_mfu_bound, tokens_per_expert,
                                 tokens_per_expert_at_balance)
-from pdjax.analysis.params import ParamCounts, param_counts
+from pdjax.param_counts import ParamCounts, param_counts
 from pdjax.analysis.published import (DEEPSEEK_V3_SERVING, FASTAFD_EXAMPLE,
                                       MEGASCALE_INFER_EXAMPLE, QWEN3_GB200_COLOCATED)
 from pdjax.analysis.report import Report, describe, quickstart_section, report
@@ -47,7 +47,7 @@ __all__ = [
     "expert_balance_batch", "free_memory_bytes", "from_bytes", "handoff_to_prefill_ratio",
     "hardware", "hardware_names", "kv_bytes_per_sequence", "kv_bytes_per_token",
     "kv_elements_per_token", "kv_handoff_time", "link_bw_for_handoff_ratio", "machine_balance",
-    "microbatches_for_bubble", "moe_mfu_bound", "param_counts", "prefill_compute_time",
+    "min_microbatches_1f1b", "moe_mfu_bound", "param_counts", "prefill_compute_time",
     "quickstart_section", "register_hardware", "report", "to_bytes", "tokens_per_expert",
     "tokens_per_expert_at_balance", "unit_bytes", "unregister_hardware", "utilisation_bound", "weight_intensity",
 ]
@@ -70,3 +70,15 @@ from pdjax.analysis.costmodel_fit import DecodeCostFit, fit_decode_cost  # noqa:
 
 __all__ += ["DecodeCalibrationResult", "DecodeCostFit", "calibrate_decode", "fit_decode_cost",
             "measure_decode"]
+
+
+def __getattr__(name):
+    """Deprecated aliases, kept for one release."""
+    if name == "microbatches_for_bubble":
+        import warnings
+
+        warnings.warn("pdjax.analysis.microbatches_for_bubble is min_microbatches_1f1b (one formula, in "
+                      "pdjax.schedules.formulas); this alias goes in the next release", DeprecationWarning,
+                      stacklevel=2)
+        return min_microbatches_1f1b
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

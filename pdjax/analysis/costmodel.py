@@ -41,7 +41,7 @@ from typing import Optional, Sequence
 from pdjax.analysis.afd import afd_exchange_bytes
 from pdjax.analysis.hardware import HardwareLike, hardware
 from pdjax.analysis.kv import kv_bytes_per_token as _kv_bytes_per_token, kv_handoff_time
-from pdjax.analysis.params import param_counts
+from pdjax.param_counts import param_counts
 from pdjax.analysis.roofline import attention_flops_per_token
 from pdjax.analysis.units import (check_fraction, check_nonnegative, check_positive,
                                   check_positive_int)

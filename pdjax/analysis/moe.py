@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Optional
 
 from pdjax.analysis.hardware import HardwareLike
-from pdjax.analysis.params import param_counts
+from pdjax.param_counts import param_counts
 from pdjax.analysis.roofline import compute_bound_batch
 from pdjax.analysis.units import check_positive, check_positive_int
 from pdjax.config import ModelConfig

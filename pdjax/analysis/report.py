@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 from pdjax.analysis import afd, bubbles, kv, moe, roofline
 from pdjax.analysis.hardware import HardwareLike, hardware
-from pdjax.analysis.params import param_counts
+from pdjax.param_counts import param_counts
 from pdjax.analysis.units import (GB, GiB, check_nonnegative, check_positive_int, format_bytes,
                                   format_count)
 from pdjax.config import ModelConfig
@@ -172,7 +172,7 @@ def report(cfg: ModelConfig, hw: HardwareLike, *, context_len: int = 4096,
     pipeline = {"stages": pipeline_stages,
                 "bubble_1f1b": {m: round(r, 4) for m, r in table.items()},
                 f"microbatches_for_bubble_below_{bubble_target:g}":
-                    bubbles.microbatches_for_bubble(pipeline_stages, bubble_target)}
+                    bubbles.min_microbatches_1f1b(pipeline_stages, bubble_target)}
 
     afd_sheet = {"min_microbatches_Tc_half_Tf": afd.afd_min_microbatches(0.5, 1.0),
                  "min_microbatches_Tc_eq_Tf": afd.afd_min_microbatches(1.0, 1.0)}

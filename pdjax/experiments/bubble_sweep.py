@@ -1,5 +1,5 @@
 """Experiment: every pipeline schedule x P x m, simulated bubble vs its closed form
-(:mod:`pdjax.pipeline.sweep` does the work; this module types the config and reports).
+(:mod:`pdjax.schedules.sweep` does the work; this module types the config and reports).
 ``scale`` multiplies every ``num_stages`` (m follows as multiplier x P)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Optional
 from pdjax.experiments import progress
 from pdjax.experiments.results import Result
 from pdjax.experiments.schema import knob, parse, table
-from pdjax.pipeline import sweep
-from pdjax.pipeline.generators import GENERATORS
+from pdjax.schedules import sweep
+from pdjax.schedules.generators import GENERATORS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -49,7 +49,7 @@ def parse_config(cfg: dict) -> dict:
     if unknown:
         raise ValueError(f"executed_bubbles config has unknown keys or tables {sorted(unknown)}")
     out = with_defaults(cfg, DEFAULTS, "executed_bubbles")
-    from pdjax.pipeline import GENERATORS
+    from pdjax.schedules import GENERATORS
 
     names = out["run"]["schedules"]
     if not isinstance(names, list) or not names or any(n not in GENERATORS for n in names):
@@ -145,7 +145,7 @@ def _write(rows, plots: dict, setup: dict, out_dir: str) -> dict:
              + (", each rank a process of its own pinned to one core. " if setup["processes"]
                 else ", every rank a thread of one process. ") +
              "Measured: the median-makespan step of the executor's instrumented run; simulated: "
-             "`pdjax.pipeline.simulate` fed with every op's median time measured in isolation.")
+             "`pdjax.schedules.simulate` fed with every op's median time measured in isolation.")
     lines = ["# Executed pipeline schedules: measured vs simulated bubbles", "", summary["headline"] + ".", "",
              about, "", markdown_table(rows), "Per-op costs (ms) and every step's makespan: executed_bubbles.json.", ""]
     for name, png in plots.items():

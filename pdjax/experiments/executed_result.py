@@ -37,7 +37,7 @@ def run(cfg: dict, out_dir: str) -> Result:
                                   if k not in REPRODUCIBLE and not isinstance(v, (list, dict))}
                   for d in dicts}
     body = (markdown_table(rows) + "\nMeasured: the median-makespan step of the executor's instrumented run; "
-            "simulated: `pdjax.pipeline.simulate` fed with every op's median time measured in isolation. "
+            "simulated: `pdjax.schedules.simulate` fed with every op's median time measured in isolation. "
             "Per-op costs (ms) and every step's makespan: [executed_bubbles.json](executed_bubbles.json).")
     return Result("Executed pipeline schedules: measured vs simulated bubbles", summary["headline"],
                   metrics=metrics, wall_clock=wall_clock,

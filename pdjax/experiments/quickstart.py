@@ -176,7 +176,7 @@ def model_section(cfg: dict, out_dir: str) -> Section:
 def pipeline_section(cfg: dict, out_dir: str) -> Section:
     """DeepSeek's reference DualPipe example (8 ranks, 20 micro-batches) against 1F1B and ZB1P:
     simulated bubbles next to the closed forms, and a Gantt chart of DualPipe."""
-    from pdjax import pipeline
+    from pdjax import schedules as pipeline
 
     P, m = 8, 20
     costs = dict(F=1.0, B=2.0, W=1.0, FB=2.5)

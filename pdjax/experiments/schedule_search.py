@@ -1,4 +1,4 @@
-"""Experiment: the memory-makespan Pareto frontier of :func:`pdjax.pipeline.search`.
+"""Experiment: the memory-makespan Pareto frontier of :func:`pdjax.schedules.search`.
 
 For every F:B:W ratio x link latency of the config, one search over the families (its pool
 of hand-written and greedy schedules does not depend on the budget, so one run gives every
@@ -86,7 +86,7 @@ def _kind(label: str) -> str:
 
 
 def run(cfg: dict, out_dir: str) -> Result:
-    from pdjax.pipeline.search import search
+    from pdjax.schedules.search import search
 
     check(cfg)
     c = _parse(cfg)
@@ -196,7 +196,7 @@ def _execute(c: Config) -> dict:
 
     import pdjax
     from pdjax.pipeline.executed import measure_schedule
-    from pdjax.pipeline.search import search
+    from pdjax.schedules.search import search
 
     e = c.execute
     F, B, W = c.costs.ratios[0]

@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .formulas import bubble_formula, formula_conditions
-from .generators import build
-from .measured import op_costs_from_timeline
-from .schedule import Schedule
-from .simulate import simulate
+from pdjax.schedules.formulas import bubble_formula, formula_conditions
+from pdjax.schedules.generators import build
+from pdjax.schedules.measured import op_costs_from_timeline
+from pdjax.schedules.schedule import Schedule
+from pdjax.schedules.simulate import simulate
 
 COLUMNS = ("schedule", "P", "ranks", "microbatches", "batch", "seq_len", "measured_makespan_ms",
            "simulated_makespan_ms", "makespan_error", "measured_bubble_ratio", "simulated_bubble_ratio",
@@ -246,7 +246,7 @@ def plot_pair(row: ExecutedRow, path=None, dpi: int = 120):
     ``Figure`` (built without pyplot, so no global figure state is touched)."""
     from matplotlib.figure import Figure
 
-    from .gantt import draw
+    from pdjax.schedules.gantt import draw
 
     ranks = row.ranks
     fig = Figure(figsize=(12.0, 2 * (0.45 * ranks + 1.6)))

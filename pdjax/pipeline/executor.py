@@ -39,7 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from pdjax.config import ModelConfig
 from pdjax.pipeline import stages as st
-from pdjax.pipeline.ops import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, OverlapFB
+from pdjax.schedules.ops import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, OverlapFB
 from pdjax.pipeline.runtime import _StepRun
 
 LOSSES = ("next_token",)
@@ -418,9 +418,9 @@ class Executor:
         """Per-op durations measured in isolation: the schedule is run ``repeats`` times with
         one op at a time across all ranks (a global lock), each op's inputs ready before its
         clock starts and its outputs ready when it stops. Returns
-        :class:`pdjax.pipeline.measured.OpCosts` (medians per op kind and stage, in ms, and
+        :class:`pdjax.schedules.measured.OpCosts` (medians per op kind and stage, in ms, and
         the dispatch overhead: the time a compiled call takes to return)."""
-        from pdjax.pipeline.measured import OpCosts
+        from pdjax.schedules.measured import OpCosts
 
         if not isinstance(repeats, int) or repeats < 1:
             raise ValueError(f"repeats must be a positive int, got {repeats!r}")

@@ -278,7 +278,7 @@ class RankProcesses:
         Sets ``last_timeline`` (measured, the same type ``simulate`` returns), ``last_memory``
         (measured peak bytes per rank) and ``stage_memory`` (per-stage byte model).
         ``isolated``: one op at a time over all processes (see :meth:`measure_ops`)."""
-        from pdjax.pipeline.simulate import measured_timeline
+        from pdjax.schedules.simulate import measured_timeline
 
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
@@ -302,10 +302,10 @@ class RankProcesses:
     def measure_ops(self, tokens, repeats: int = 3):
         """Per-op durations in isolation (one op at a time over every process, inputs on the
         device before its clock starts, outputs ready when it stops): an
-        :class:`~pdjax.pipeline.measured.OpCosts` of medians. Also sets ``comm_ms``: the median
+        :class:`~pdjax.schedules.measured.OpCosts` of medians. Also sets ``comm_ms``: the median
         time a value is in flight between ranks in these runs (its announcement's trip, and
         its copy onto the consumer's device)."""
-        from pdjax.pipeline.measured import OpCosts
+        from pdjax.schedules.measured import OpCosts
 
         if not isinstance(repeats, int) or repeats < 1:
             raise ValueError(f"repeats must be a positive int, got {repeats!r}")

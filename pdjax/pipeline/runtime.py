@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pdjax.pipeline.ops import BACKWARD_INPUT, FORWARD, FULL_BACKWARD, OverlapFB
+from pdjax.schedules.ops import BACKWARD_INPUT, FORWARD, FULL_BACKWARD, OverlapFB
 
 
 def _nbytes(a) -> int:
@@ -345,7 +345,7 @@ class _StepRun:
 
     # ---- the measured timeline --------------------------------------------------------------
     def _timeline(self):
-        from pdjax.pipeline.simulate import measured_timeline
+        from pdjax.schedules.simulate import measured_timeline
 
         starts = [s.copy() for s in self.starts]
         ends = [e.copy() for e in self.ends]

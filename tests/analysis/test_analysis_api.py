@@ -171,7 +171,7 @@ def test_ep_layouts():
     (lambda c: A.tokens_per_expert(c, -3), "batch_tokens"),
     (lambda c: A.bubble_ratio_1f1b(0, 16), "num_stages"),
     (lambda c: A.bubble_ratio_1f1b(16, 2.5), "num_microbatches"),
-    (lambda c: A.microbatches_for_bubble(16, 1.5), "target_ratio"),
+    (lambda c: A.min_microbatches_1f1b(16, 1.5), "max_ratio"),
     (lambda c: A.afd_min_microbatches(2.0, 1.0), "cannot hide"),
     (lambda c: A.afd_min_microbatches(-1.0, 1.0), "comm_time"),
     (lambda c: A.afd_speedup(1.5, 1.15, 1.2), "attention_share"),
@@ -199,7 +199,7 @@ def test_bubble_ratio_properties(stages, m):
 @settings(max_examples=60, deadline=None)
 @given(st.integers(2, 64), st.sampled_from([0.5, 0.25, 0.2, 0.1, 0.05, 0.01]))
 def test_microbatches_for_bubble_is_minimal(stages, target):
-    m = A.microbatches_for_bubble(stages, target)
+    m = A.min_microbatches_1f1b(stages, target)
     assert A.bubble_ratio_1f1b(stages, m) < target
     assert m == 1 or A.bubble_ratio_1f1b(stages, m - 1) >= target - 1e-15
 

@@ -240,9 +240,9 @@ def test_bubble_ratio_1f1b(m, percent):
 
 
 def test_microbatches_for_ten_percent_bubble():
-    assert A.microbatches_for_bubble(16, 0.1) == 136            # m > 9 (P - 1) = 135
-    published(A.microbatches_for_bubble(16, 0.1) / 16, 8.5, 1)
+    assert A.min_microbatches_1f1b(16, 0.1) == 136            # m > 9 (P - 1) = 135
+    published(A.min_microbatches_1f1b(16, 0.1) / 16, 8.5, 1)
     for stages in (2, 4, 8, 16, 32):
-        m = A.microbatches_for_bubble(stages, 0.1)
+        m = A.min_microbatches_1f1b(stages, 0.1)
         assert m == 9 * (stages - 1) + 1
         assert A.bubble_ratio_1f1b(stages, m) < 0.1 <= A.bubble_ratio_1f1b(stages, m - 1)

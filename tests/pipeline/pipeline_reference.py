@@ -5,7 +5,7 @@ This mirrors the *control flow* of deepseek-ai/DualPipe's ``DualPipe.step()`` an
 a weight-grad store that caches the W of a zero-bubble backward, flushes it to a FIFO
 queue and pops the oldest on ``_weight_chunk``; steps 1..8 with the reference's loop
 bounds and ``enable_zb`` toggling. It records op strings instead of running modules.
-It deliberately shares no code with pdjax.pipeline.dualpipe.
+It deliberately shares no code with pdjax.schedules.dualpipe.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ import pytest
 
 import pdjax.pipeline as pp
 from pdjax.pipeline import stages
-from pdjax.pipeline.ops import Op
+from pdjax.schedules.ops import Op
+from pdjax.schedules.layout import Pipeline
 
 EXEC_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb1p", "dualpipe", "dualpipev")  # the hand-written generators; the searched ones use the same op kinds and layouts
 
@@ -179,7 +180,7 @@ def test_a_failing_rank_fails_the_step_without_hanging(executor, exec_params, ex
 
 def test_micro_batch_ids_must_cover_the_batch(exec_cfg):
     s = pp.build("1f1b", 2, 2)
-    shifted = pp.Layout(2, s.layout.stage_rank, (pp.Pipeline((0, 1), 2, 2),))
+    shifted = pp.Layout(2, s.layout.stage_rank, (Pipeline((0, 1), 2, 2),))
     ops = tuple(tuple(type(op)(op.kind, op.stage, op.microbatch + 2) for op in r) for r in s.ops)
     with pytest.raises(ValueError, match="micro-batch ids 0..1"):
         pp.Executor(pp.Schedule("shifted", shifted, ops), exec_cfg, devices=jax.devices()[:2])

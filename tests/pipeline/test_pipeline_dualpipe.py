@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import pdjax.pipeline as pp
+import pdjax.schedules as pp
+from pdjax.schedules.ops import FB, Op, parse_op
 from pipeline_reference import reference_dualpipe, reference_dualpipev
 
 DATA = Path(__file__).parent / "data"
@@ -20,7 +21,7 @@ def test_dualpipev_matches_torch_artifact():
     text = (DATA / "torch_dualpipev_4rank_10mb.csv").read_text()
     rows = [r for r in text.splitlines() if r.strip()]
     num_ranks = len(rows)
-    num_mb = 1 + max(op.microbatch for r in rows for c in r.split(",") for op in pp.parse_op(c).parts)
+    num_mb = 1 + max(op.microbatch for r in rows for c in r.split(",") for op in parse_op(c).parts)
     s = pp.build("dualpipev", num_ranks=num_ranks, num_microbatches=num_mb)
     assert s.to_csv() == text
     imported = pp.Schedule.from_csv(text)
@@ -54,8 +55,8 @@ def test_dualpipev_is_first_half_of_dualpipe(n, extra):
 
     def conv(op):
         if op.kind == "F&B":
-            return pp.FB(conv(op.forward), conv(op.backward))
-        return pp.Op(op.kind, relabel[op.stage], mb(op.stage, op.microbatch))
+            return FB(conv(op.forward), conv(op.backward))
+        return Op(op.kind, relabel[op.stage], mb(op.stage, op.microbatch))
 
     assert [tuple(conv(op) for op in ops) for ops in d.ops[:n]] == list(v.ops)
 

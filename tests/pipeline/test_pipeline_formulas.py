@@ -5,7 +5,9 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-import pdjax.pipeline as pp
+import pdjax.schedules as pp
+from pdjax.schedules.comparison import compare_one
+from pdjax.schedules.formulas import bubble_ratio_1f1b, dualpipe_bubble, dualpipe_makespan, min_microbatches_1f1b
 
 costs = st.floats(0.1, 3.0, allow_nan=False, allow_infinity=False)
 
@@ -15,11 +17,11 @@ def test_brief_1f1b_ratios():
     p = 16
     expected = {16: 48.4, 32: 31.9, 64: 19.0, 128: 10.5, 256: 5.5}
     for m, pct in expected.items():
-        assert round(100 * pp.bubble_ratio_1f1b(p, m), 1) == pct
-    assert pp.min_microbatches_1f1b(p, 0.10) == 136
+        assert round(100 * bubble_ratio_1f1b(p, m), 1) == pct
+    assert min_microbatches_1f1b(p, 0.10) == 136
     for p in (2, 4, 8, 32):
-        m = pp.min_microbatches_1f1b(p, 0.10)
-        assert pp.bubble_ratio_1f1b(p, m) < 0.10 <= pp.bubble_ratio_1f1b(p, m - 1)
+        m = min_microbatches_1f1b(p, 0.10)
+        assert bubble_ratio_1f1b(p, m) < 0.10 <= bubble_ratio_1f1b(p, m - 1)
 
 
 @settings(max_examples=30, deadline=None)
@@ -59,8 +61,8 @@ def test_general_dualpipe_expression(n, k, extra_mb, f, i, w, over):
     fb = max(f, b) + over
     for name, ranks, c in (("dualpipe", 2 * n, 2 * (2 * n * k + extra_mb)), ("dualpipev", n, 2 * n * k + extra_mb)):
         t = pp.simulate(pp.build(name, ranks, c), F=f, B=b, W=w, FB=fb)
-        assert t.makespan == pytest.approx(pp.dualpipe_makespan(name, ranks, c, F=f, B=b, W=w, FB=fb))
-        np.testing.assert_allclose(t.bubble, pp.dualpipe_bubble(name, ranks, c, F=f, B=b, W=w, FB=fb),
+        assert t.makespan == pytest.approx(dualpipe_makespan(name, ranks, c, F=f, B=b, W=w, FB=fb))
+        np.testing.assert_allclose(t.bubble, dualpipe_bubble(name, ranks, c, F=f, B=b, W=w, FB=fb),
                                    atol=1e-9 * t.makespan)
 
 
@@ -101,7 +103,7 @@ def test_report_rows():
             assert r.peak_activations == r.table_activations  # W-aware count = README column
     text = pp.format_report(rows)
     assert "not applicable" in text and "exact" in text
-    row = pp.compare_one("dualpipe", 8, 32, F=1.0, B=3.0, W=1.0, FB=3.5)
+    row = compare_one("dualpipe", 8, 32, F=1.0, B=3.0, W=1.0, FB=3.5)
     assert not row.formula_applies and row.general_bubble == pytest.approx(row.sim_bubble)
     assert "n/a" in pp.format_report([row])
 

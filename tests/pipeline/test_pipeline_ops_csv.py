@@ -4,12 +4,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import pdjax.pipeline as pp
+import pdjax.schedules as pp
+from pdjax.schedules.comms import CommAction, comm_volume
+from pdjax.schedules.ops import B, Op, OverlapFB, parse_op
 
 
 @pytest.mark.parametrize("text", ["0F3", "1I0", "2W5", "3B1", "(0F7;7B3)OVERLAP_F_B", "(2F1;2I0)OVERLAP_F_B"])
 def test_op_text_round_trip(text):
-    assert str(pp.parse_op(text)) == text
+    assert str(parse_op(text)) == text
 
 
 @pytest.mark.parametrize("cell", ["0X3", "F3", "0F", "(0F1)OVERLAP_F_B", "(0B1;0F1)OVERLAP_F_B",
@@ -22,11 +24,11 @@ def test_malformed_cell_names_rank_and_cell(cell):
 
 def test_op_fields_are_checked():
     with pytest.raises(ValueError, match="kind"):
-        pp.Op("Q", 0, 0)
+        Op("Q", 0, 0)
     with pytest.raises(ValueError, match="stage"):
-        pp.Op("F", -1, 0)
+        Op("F", -1, 0)
     with pytest.raises(ValueError, match="forward"):
-        pp.OverlapFB(pp.B(0, 0), pp.B(0, 1))
+        OverlapFB(B(0, 0), B(0, 1))
 
 
 NAMES = ["gpipe", "1f1b", "interleaved-1f1b", "zb1p", "dualpipe", "dualpipev"]
@@ -77,12 +79,12 @@ def test_derived_comms_match_between_ranks():
         sends, recvs = set(), set()
         for r, actions in enumerate(s.comms()):
             for a in actions:
-                if isinstance(a, pp.CommAction):
+                if isinstance(a, CommAction):
                     (sends if a.kind.startswith("SEND") else recvs).add((a.kind[-1], r, a.peer, a.microbatch))
         assert {(k, peer, r, m) for k, r, peer, m in sends} == recvs
     # DualPipeV's turn (stage N-1 -> N on the last rank) is local: no comm on that hop
     v = pp.build("dualpipev", 3, 6)
     last = v.comms()[2]
-    assert not [a for a in last if isinstance(a, pp.CommAction) and a.peer == 2]
-    vol = pp.comm_volume(v)
+    assert not [a for a in last if isinstance(a, CommAction) and a.peer == 2]
+    vol = comm_volume(v)
     assert vol[2]["SEND_F"] == 6 and vol[2]["RECV_F"] == 6  # one in (stage 2), one out (stage 3) per mb

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-import pdjax.pipeline as pp
+import pdjax.schedules as pp
+from pdjax.schedules.sweep import run_bubble_sweep
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -59,7 +60,7 @@ def test_bubble_sweep_config_runs(tmp_path):
     cfg = tomllib.loads((ROOT / "experiments" / "bubble_sweep.toml").read_text())
     assert cfg["sweep"]["num_stages"] == [4, 8, 16, 32]
     small = {"sweep": dict(cfg["sweep"], num_stages=[4, 8], microbatch_multipliers=[1, 2]), "costs": cfg["costs"]}
-    out = pp.run_bubble_sweep(small, tmp_path)
+    out = run_bubble_sweep(small, tmp_path)
     rows = list(csv.DictReader(open(out["csv"])))
     n_sched = len(cfg["sweep"]["schedules"])
     assert len(rows) == out["rows"] == n_sched * 2 * 2
@@ -77,4 +78,4 @@ def test_bubble_sweep_config_runs(tmp_path):
 ])
 def test_bubble_sweep_bad_config(tmp_path, bad, pattern):
     with pytest.raises(ValueError, match=pattern):
-        pp.run_bubble_sweep(bad, tmp_path)
+        run_bubble_sweep(bad, tmp_path)

@@ -1,4 +1,4 @@
-"""pdjax.pipeline.search: budget, monotonicity, dominance over the hand-written schedules,
+"""pdjax.schedules.search: budget, monotonicity, dominance over the hand-written schedules,
 the MILP against brute-force enumeration, the lower bound, and bad input."""
 
 import itertools
@@ -9,14 +9,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import pdjax.pipeline as pp
-from pdjax.pipeline.bound import lower_bound
-from pdjax.pipeline.greedy import greedy_schedule
-from pdjax.pipeline.layout import Layout
-from pdjax.pipeline.milp import milp_schedule
-from pdjax.pipeline.ops import Op
-from pdjax.pipeline.schedule import Schedule
-from pdjax.pipeline.search import search
+import pdjax.schedules as pp
+from pdjax.schedules.bound import lower_bound
+from pdjax.schedules.greedy import greedy_schedule
+from pdjax.schedules.layout import Layout
+from pdjax.schedules.milp import milp_schedule
+from pdjax.schedules.ops import Op
+from pdjax.schedules.schedule import Schedule
+from pdjax.schedules.search import search
 
 COSTS = dict(F=1.0, B=2.0, W=1.0, comm=0.1)
 

@@ -5,7 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import pdjax.pipeline as pp
+import pdjax.schedules as pp
+from pdjax.schedules.ops import B, F, FB, I, W
 
 costs = st.floats(0.1, 3.0, allow_nan=False, allow_infinity=False)
 
@@ -79,7 +80,7 @@ def test_bad_costs(kwargs, pattern):
 
 def test_simulate_reports_deadlock_without_validation():
     s = pp.build("1f1b", 2, 2)
-    f, b = pp.F, pp.B
+    f, b = F, B
     ops = ((f(0, 0), b(0, 0), f(0, 1), b(0, 1)), (f(1, 0), f(1, 1), b(1, 0), b(1, 1)))
     bad = pp.Schedule("t", s.layout, ops)
     with pytest.raises(pp.DeadlockError):
@@ -144,8 +145,8 @@ def test_weighted_memory_overlapped_pair_by_hand():
     0I2 +3=13, -4=9 | 0W2 -9=0 -> peak 32 (freeing the pair's backward part before its
     forward allocates would give 28). Units: 0F0 1, 0F1 2, 0I0 2 (an I frees none),
     pair 3, then down -> 3 (freeing at I would give 2)."""
-    f, i, w = pp.F, pp.I, pp.W
-    ops = ((f(0, 0), f(0, 1), i(0, 0), pp.FB(f(0, 2), i(0, 1)), w(0, 0), w(0, 1), i(0, 2), w(0, 2)),)
+    f, i, w = F, I, W
+    ops = ((f(0, 0), f(0, 1), i(0, 0), FB(f(0, 2), i(0, 1)), w(0, 0), w(0, 1), i(0, 2), w(0, 2)),)
     s = pp.Schedule("pair", pp.Layout.chain((0,), 3), ops)
     t = pp.simulate(s, F=1.0, B=2.0, W=1.0, FB=2.5, memory={"F": 10, "I": 3, "I_free": 4})
     np.testing.assert_array_equal(t.peak_memory, [32.0])

@@ -2,8 +2,9 @@
 
 import pytest
 
-import pdjax.pipeline as pp
-from pdjax.pipeline import B, F, I, Layout, Schedule, W
+import pdjax.schedules as pp
+from pdjax.schedules import Layout, Schedule
+from pdjax.schedules.ops import B, F, FB, I, W
 
 
 def _chain(ops, m):
@@ -24,7 +25,7 @@ def test_valid_hand_written():
     ([[F(1, 0), B(0, 0)], [F(1, 0), B(1, 0)]], 1, r"rank 0 op #0 1F0: stage 1 belongs to rank 1"),
     ([[F(0, 0), B(0, 0), F(0, 1)], [F(1, 0), B(1, 0)]], 1, r"rank 0 op #2 0F1: micro-batch 1 is not"),
     ([[F(0, 0), B(0, 0)], [F(5, 0)]], 1, r"rank 1 op #0 5F0: stage 5 does not exist"),
-    ([[F(0, 0)], [pp.FB(F(1, 0), B(1, 0))]], 1, r"rank 1 op #0 \(1F0;1B0\)OVERLAP_F_B: backward .* before"),
+    ([[F(0, 0)], [FB(F(1, 0), B(1, 0))]], 1, r"rank 1 op #0 \(1F0;1B0\)OVERLAP_F_B: backward .* before"),
 ])
 def test_broken_rules(ops, m, pattern):
     with pytest.raises(pp.ScheduleError, match=pattern):

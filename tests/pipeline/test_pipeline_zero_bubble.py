@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import pdjax.pipeline as pp
-from pdjax.pipeline.greedy import span_bubble
+import pdjax.schedules as pp
+from pdjax.schedules.greedy import span_bubble
+from pdjax.schedules.vblock import building_block
 
 NEW = ["zbh2", "zbv", "v-half", "v-min"]
 
@@ -106,7 +107,7 @@ def test_v_building_block_is_collision_free_and_its_steady_state_has_no_bubble(n
     """Each rank's four F/I slots of micro-batch 0 differ mod the interval 6, so repeating
     the block never puts two ops on one slot; the W's fill the other two. Then every extra
     micro-batch adds its 6 ops and no idle time: the makespan grows by exactly 6 slots."""
-    block, gaps = pp.building_block(p, name)
+    block, gaps = building_block(p, name)
     assert set(block) == {(k, s) for k in "FI" for s in range(2 * p)}
     for r in range(p):
         assert len({block[(k, s)] % 6 for k in "FI" for s in (r, 2 * p - 1 - r)}) == 4

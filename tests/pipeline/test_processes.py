@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import pdjax.pipeline as pp
-from pdjax.pipeline.ops import OverlapFB
+from pdjax.schedules.ops import OverlapFB
 
 
 def _max_rel_err(tree, ref):

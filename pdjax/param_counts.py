@@ -21,13 +21,20 @@ Conventions (checked against the published figures in ``tests/analysis``):
   (DeepSeek: "685B, of which 671B main model and 14B MTP": 13.46e9 by this count).
 
 Norm weights and the V3 router bias are counted; they are negligible (< 0.01 %).
+
+A pure function of the config's fields, below :mod:`pdjax.config` (which shows the counts
+in its notebook view), so it reads the fields it needs and imports no config class.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from pdjax.config import ModelConfig
+# the config fields the counts read (a ModelConfig has them all)
+_FIELDS = ("hidden_size", "num_attention_heads", "q_lora_rank", "qk_head_dim", "kv_lora_rank", "qk_rope_head_dim",
+           "qk_nope_head_dim", "v_head_dim", "n_routed_experts", "n_shared_experts", "num_experts_per_tok",
+           "moe_intermediate_size", "intermediate_size", "topk_method", "num_hidden_layers", "is_moe_layer",
+           "vocab_size", "tie_word_embeddings")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +103,7 @@ class ParamCounts:
         return d
 
 
-def _attention_params(cfg: ModelConfig) -> int:
+def _attention_params(cfg: "ModelConfig") -> int:
     d, h = cfg.hidden_size, cfg.num_attention_heads
     if cfg.q_lora_rank is None:
         q = d * h * cfg.qk_head_dim
@@ -112,16 +119,17 @@ def _mlp_params(hidden: int, intermediate: int) -> int:
     return 3 * hidden * intermediate  # SwiGLU: gate, up, down
 
 
-def _router_params(cfg: ModelConfig) -> int:
+def _router_params(cfg: "ModelConfig") -> int:
     bias = cfg.n_routed_experts if cfg.topk_method == "noaux_tc" else 0
     return cfg.n_routed_experts * cfg.hidden_size + bias
 
 
-def param_counts(cfg: ModelConfig, mtp_layers: int = 0) -> ParamCounts:
+def param_counts(cfg: "ModelConfig", mtp_layers: int = 0) -> ParamCounts:
     """Count the parameters of ``cfg`` by component; see the module docstring for which
     sums reproduce the published totals. ``mtp_layers``: MTP modules to count (V3: 1)."""
-    if not isinstance(cfg, ModelConfig):
-        raise TypeError(f"param_counts expects a ModelConfig, got {type(cfg).__name__}")
+    missing = [f for f in _FIELDS if not hasattr(cfg, f)]
+    if missing:
+        raise TypeError(f"param_counts expects a ModelConfig, got {type(cfg).__name__} (no {missing[0]!r})")
     if isinstance(mtp_layers, bool) or not isinstance(mtp_layers, int) or mtp_layers < 0:
         raise ValueError(f"mtp_layers must be an integer >= 0, got {mtp_layers!r}")
     d = cfg.hidden_size

@@ -84,9 +84,11 @@ class Schedule:
         """Parse torch's compute-only CSV. Without ``layout`` the stages form one chain
         0..S-1 and each stage's rank is where its ops appear (torch's convention); pass
         ``Layout.bidirectional(...)`` for DualPipe."""
-        from .csvio import schedule_from_csv
+        from .csvio import parse_csv
 
-        return schedule_from_csv(text, layout=layout, validate=validate)
+        layout, ops = parse_csv(text, layout=layout)
+        schedule = cls("csv", layout, ops)
+        return schedule.validate() if validate else schedule
 
     def comms(self):
         """Per rank, the compute ops with derived SEND/RECV actions (see ``comms``)."""

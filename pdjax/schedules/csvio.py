@@ -19,16 +19,14 @@ def schedule_to_csv(schedule) -> str:
     return "".join(",".join(str(op) for op in ops) + "\n" for ops in schedule.ops)
 
 
-def schedule_from_csv(text: str, *, layout: Layout | None = None, validate: bool = True):
-    """Parse torch's compute-only CSV into a :class:`Schedule`.
+def parse_csv(text: str, *, layout: Layout | None = None) -> tuple[Layout, tuple]:
+    """Parse torch's compute-only CSV into ``(layout, ops per rank)`` for a
+    :class:`~pdjax.schedules.schedule.Schedule` (``Schedule.from_csv`` builds and validates it).
 
     Without ``layout``, stages form one chain 0..S-1, each stage is owned by the rank
     whose row names it, and the micro-batches are 0..max. Raises ValueError naming the
-    rank (row) and cell of a malformed op, a stage split over two ranks, or (with
-    ``validate``) the first op that breaks a schedule rule.
+    rank (row) and cell of a malformed op or a stage split over two ranks.
     """
-    from .schedule import Schedule
-
     if not isinstance(text, str):
         raise TypeError(f"CSV text must be str, got {type(text).__name__}")
     rows = list(csv.reader(io.StringIO(text)))
@@ -47,10 +45,7 @@ def schedule_from_csv(text: str, *, layout: Layout | None = None, validate: bool
         layout = _infer_chain_layout(ops)
     elif layout.num_ranks != len(ops):
         raise ValueError(f"CSV has {len(ops)} rows but the layout has {layout.num_ranks} ranks")
-    schedule = Schedule("csv", layout, tuple(ops))
-    if validate:
-        schedule.validate()
-    return schedule
+    return layout, tuple(ops)
 
 
 def _infer_chain_layout(ops) -> Layout:

@@ -17,7 +17,7 @@ rank's layers (1F1B peaks at ``P``). Families and their layouts:
 - ``"dualpipe"``: two directions, ``m/2`` micro-batches each, full costs per stage
   (parameters twice): DualPipe and the greedy scheduler with and without overlapped pairs.
 
-Every candidate is simulated (:func:`~pdjax.pipeline.simulate` with the memory model),
+Every candidate is simulated (:func:`~pdjax.schedules.simulate` with the memory model),
 kept if its peak fits the budget, and the least makespan wins. ``time_limit_s`` bounds the
 whole search: the hand-written schedules always run (linear in the ops), the greedy pool
 runs until the deadline (``SearchResult.complete`` says whether it finished), and the

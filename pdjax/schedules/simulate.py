@@ -23,7 +23,7 @@ from functools import cached_property
 
 import numpy as np
 
-from .engine import compile_program, run_program
+from .program import compile_program, run_program
 from .ops import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, OVERLAP, AnyOp
 
 

@@ -80,23 +80,12 @@ def draw(timeline, ax=None, title: str | None = None):
     return fig
 
 
-def plot(timeline_or_schedule, path=None, **simulate_kwargs):
-    """Gantt chart of a :class:`Timeline` (or a Schedule, simulated with
-    ``simulate_kwargs``). Saves to ``path`` (format from its suffix: .png, .svg, .pdf)
-    and returns the figure."""
-    from .schedule import Schedule
-    from .simulate import simulate
-
-    t = timeline_or_schedule
-    if isinstance(t, Schedule):
-        t = simulate(t, **simulate_kwargs)
-    fig = draw(t)
-    if path is not None:
-        path = Path(path)
-        if path.suffix.lower() not in (".png", ".svg", ".pdf"):
-            raise ValueError(f"plot path must end in .png, .svg or .pdf, got {str(path)!r}")
-        fig.savefig(path, dpi=150)
-    return fig
+def save(fig, path) -> None:
+    """Save ``fig`` to ``path`` (format from its suffix: .png, .svg or .pdf)."""
+    path = Path(path)
+    if path.suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise ValueError(f"plot path must end in .png, .svg or .pdf, got {str(path)!r}")
+    fig.savefig(path, dpi=150)
 
 
 def timeline_png(timeline) -> bytes:

@@ -26,7 +26,7 @@ import math
 from pathlib import Path
 
 from .generators import GENERATORS
-from .report import ReportRow, compare_one
+from .comparison import ReportRow, compare_one
 
 _COST_KEYS = ("F", "B", "W", "FB", "comm")
 

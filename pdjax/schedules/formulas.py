@@ -35,6 +35,9 @@ which is the README's (P/2-1)(F&B+B-3W) exactly when F = I >= W.
 
 from __future__ import annotations
 
+import math
+from fractions import Fraction
+
 import numpy as np
 
 _NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zb1p", "dualpipe", "dualpipev")
@@ -61,18 +64,19 @@ def bubble_ratio_1f1b(num_stages: int, num_microbatches: int) -> float:
 
 
 def min_microbatches_1f1b(num_stages: int, max_ratio: float) -> int:
-    """Smallest ``m`` with 1F1B bubble ratio strictly below ``max_ratio``:
-    ``m > (P-1)(1-rho)/rho`` (``9(P-1)`` for 10 %)."""
+    """Smallest ``m`` with 1F1B bubble ratio strictly below ``max_ratio`` in (0, 1):
+    ``m > (P-1)(1-r)/r`` (``9(P-1)``, i.e. 136 at P = 16, for 10 %). Exact: a float ratio is
+    read as its shortest decimal repr (0.1 is one tenth), so the boundary ``m = 9(P-1)`` at
+    10 % is excluded exactly, with no float rounding to guard against."""
     p = _positive_int("num_stages", num_stages)
-    if not 0 < max_ratio < 1:
+    if isinstance(max_ratio, bool) or not isinstance(max_ratio, (int, float, Fraction)):
+        raise ValueError(f"max_ratio must be a number, got {max_ratio!r}")
+    r = Fraction(repr(max_ratio)) if isinstance(max_ratio, float) else Fraction(max_ratio)
+    if not 0 < r < 1:
         raise ValueError(f"max_ratio must be in (0, 1), got {max_ratio!r}")
-    bound = (p - 1) * (1 - max_ratio) / max_ratio
-    m = max(int(np.floor(bound)) + 1, 1)
-    while bubble_ratio_1f1b(p, m) >= max_ratio:  # guard float rounding at the boundary
-        m += 1
-    while m > 1 and bubble_ratio_1f1b(p, m - 1) < max_ratio:
-        m -= 1
-    return m
+    if p == 1:
+        return 1  # no pipeline, no bubble
+    return max(1, math.floor((p - 1) * (1 - r) / r) + 1)
 
 
 def bubble_formula(name: str, num_stages: int, F: float = 1.0, B: float = 2.0, W: float = 0.0,

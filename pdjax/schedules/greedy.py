@@ -5,7 +5,7 @@ ZB-H2 (``zbh2``) and ZB-V (``zbv``); V-Half and V-Min are in :mod:`.vblock`.
 is free, starts the highest-priority op whose inputs have arrived and which fits its
 memory cap; the op that can start earliest over all ranks is committed first, so no
 later decision can make an input arrive earlier (list scheduling, the same timing rule
-as :func:`~pdjax.pipeline.simulate`). Backwards are always split into an input-grad ``I``
+as :func:`~pdjax.schedules.simulate`). Backwards are always split into an input-grad ``I``
 and a weight-grad ``W``; ``W`` ops wait in a per-rank queue and run, oldest first, when
 the policy says so (``w_lag``) or when nothing else is ready (they fill bubbles). Per
 stage, forwards and input-grad backwards run in micro-batch order.

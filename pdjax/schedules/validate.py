@@ -6,7 +6,7 @@ Every error is a ValueError naming the rank, the op's position on that rank and 
 
 from __future__ import annotations
 
-from .engine import compile_program, run_program
+from .program import compile_program, run_program
 from .ops import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, Op
 
 

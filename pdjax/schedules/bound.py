@@ -46,7 +46,7 @@ def lower_bound(layout: Layout, costs: dict) -> float:
     """Lower bound on the makespan of every valid schedule of ``layout``.
 
     ``costs``: per-stage arrays ``F``, ``I``, ``W``, ``comm`` (and optionally ``FB``), as
-    :func:`pdjax.pipeline.stage_costs` returns them.
+    :func:`pdjax.schedules.stage_costs` returns them.
     """
     f, i_, w = _eff(costs)
     comm = np.asarray(costs["comm"], dtype=float).tolist()

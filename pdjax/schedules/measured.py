@@ -36,7 +36,7 @@ class OpCosts:
         return np.array([self.durations.get((kind, s), default[s]) for s in range(self.num_stages)], dtype=float)
 
     def simulate_kwargs(self) -> dict:
-        """``F, B, I, W, FB, FI`` per stage for :func:`pdjax.pipeline.simulate`. A stage with
+        """``F, B, I, W, FB, FI`` per stage for :func:`pdjax.schedules.simulate`. A stage with
         no measured B gets ``I + W``; no measured W (1F1B): 0 and ``I = B``; a pair's cost goes
         to its forward's stage (the mean over its partners), ``FB = F + B`` where none ran."""
         n = self.num_stages

@@ -3,7 +3,7 @@
 Search space: every schedule of a layout made of ``F``, ``I`` and ``W`` ops (no
 overlapped pairs), in which, per stage, the ops of one kind run in micro-batch order
 (every generator of the IR does so). For fixed per-rank op orders the best start times
-are the as-soon-as-possible ones, which :func:`~pdjax.pipeline.simulate` computes, so the
+are the as-soon-as-possible ones, which :func:`~pdjax.schedules.simulate` computes, so the
 program's optimum is the least simulated makespan over all such orders within the memory
 cap, and the tests check it against brute-force enumeration.
 

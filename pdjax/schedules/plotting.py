@@ -1,0 +1,19 @@
+"""``plot``: the Gantt chart of a simulated schedule, drawn and optionally saved."""
+
+from __future__ import annotations
+
+from .gantt import draw, save
+from .simulate import simulate
+
+
+def plot(timeline_or_schedule, path=None, **simulate_kwargs):
+    """Gantt chart of a :class:`~pdjax.schedules.simulate.Timeline` (or of a Schedule,
+    simulated with ``simulate_kwargs``). Saves to ``path`` (format from its suffix: .png,
+    .svg, .pdf) and returns the matplotlib Figure."""
+    t = timeline_or_schedule
+    if not hasattr(t, "makespan"):
+        t = simulate(t, **simulate_kwargs)
+    fig = draw(t)
+    if path is not None:
+        save(fig, path)
+    return fig
