@@ -45,12 +45,11 @@ LEFT = {
     },
     "layering": {
         "pdjax.model.params -> pdjax.parallel.mesh", "pdjax.model.hf -> pdjax.parallel.mesh",
-        "pdjax.sim.prefix_cache -> pdjax.disagg.prefix_index",
         "pdjax.analysis.costmodel_calibrate -> jax", "pdjax.analysis.costmodel_calibrate -> pdjax.model.cache",
         "pdjax.analysis.costmodel_calibrate -> pdjax.model.transformer",
         "pdjax.pipeline.processes -> pdjax.disagg.children", "pdjax.pipeline.processes -> pdjax.disagg.transfer",
     },
-    "pure": {"pdjax.sim -> pdjax.disagg"},
+    "pure": set(),
 }
 
 

@@ -2,7 +2,7 @@
 a shared store, as opposed to the in-request P->D KV handoff).
 
 Latent KV in full blocks of ``block_size`` tokens, keyed by the hash chain over token ids
-(:func:`pdjax.disagg.prefix_index.token_chain_hashes`). A block holds every layer's latent
+(:func:`pdjax.prefix_index.token_chain_hashes`). A block holds every layer's latent
 rows: an array ``[L, block_size, W]`` with ``W = kv_lora_rank + qk_rope_head_dim``, in the
 params dtype. Three tiers, each an LRU index with TTL (:class:`PrefixCache`) over its own
 capacity in blocks:
@@ -48,7 +48,7 @@ import numpy as np
 import tensorstore as ts
 
 from pdjax.config import ModelConfig
-from pdjax.disagg.prefix_index import PrefixCache, check_block_size, token_chain_hashes
+from pdjax.prefix_index import PrefixCache, check_block_size, token_chain_hashes
 
 TIERS = ("device", "host", "disk")
 DAY = 86400.0

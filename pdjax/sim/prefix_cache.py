@@ -1,5 +1,5 @@
 """Cross-request prefix cache of the simulator: the hash-chain LRU index with retention
-classes lives in :mod:`pdjax.disagg.prefix_index` (one representation, shared with the real
+classes lives in :mod:`pdjax.prefix_index` (one representation, shared with the real
 store of the PD engine) and is re-exported here, with the simulator's symbolic prompts.
 
 Block content comes either from real token ids (:func:`token_chain_hashes`, BLAKE2b over the
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from pdjax.disagg.prefix_index import PrefixCache, check_block_size, token_chain_hashes
+from pdjax.prefix_index import PrefixCache, check_block_size, token_chain_hashes
 
 __all__ = ["PrefixCache", "extend_chain", "segment_chain_hashes", "token_chain_hashes"]
 

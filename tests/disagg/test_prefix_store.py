@@ -10,7 +10,8 @@ import pytest
 
 import pdjax
 from pdjax import sim
-from pdjax.disagg import prefix_index, prefix_store
+from pdjax import prefix_index
+from pdjax.disagg import prefix_store
 from pdjax.disagg.prefix_store import CorruptBlockError, MissingBlockError, PrefixStore
 
 BS = 4
