@@ -184,7 +184,26 @@ def render() -> str:
         out += [f"## {module}", "", summary, ""] if summary else [f"## {module}", ""]
         out += [_line(e) for e in es]
         out.append("")
+    out += ["## Modules", "",
+            "Each subpackage's face above is what a notebook starts with; everything else is importable",
+            "from its module, listed here with the module's summary (`help(pdjax.analysis.kv)` for its names).", ""]
+    out += [f"- `{name}`: {summary or '*(no docstring)*'}" for name, summary in modules()]
+    out.append("")
     return "\n".join(out)
+
+
+def modules() -> list[tuple[str, str]]:
+    """[(dotted module name, the first paragraph of its docstring)] of every pdjax module."""
+    import pkgutil
+
+    import pdjax
+
+    out = []
+    for info in pkgutil.walk_packages(pdjax.__path__, "pdjax."):
+        if info.name.rsplit(".", 1)[-1].startswith("_"):
+            continue
+        out.append((info.name, _first_paragraph(importlib.import_module(info.name).__doc__)))
+    return sorted(out)
 
 
 def documented_names(text: str) -> set[str]:
@@ -192,8 +211,8 @@ def documented_names(text: str) -> set[str]:
     names, module = set(), None
     for line in text.splitlines():
         heading = re.match(r"^## (pdjax[\w.]*)\s*$", line)
-        if heading:
-            module = heading.group(1)
+        if heading or line.startswith("## "):
+            module = heading.group(1) if heading else None
             continue
         item = re.match(r"^- (?:class |module )?`([A-Za-z_]\w*)", line)
         if item and module:

@@ -41,15 +41,15 @@ from pdjax.schedules.formulas import bubble_ratio_1f1b, min_microbatches_1f1b
 
 v2, v3 = pdjax.configs.deepseek_v2(), pdjax.configs.deepseek_v3()
 h100, h800, h200, a100 = (A.hardware(n) for n in ("h100-sxm", "h800", "h200", "a100"))
-serving = A.DEEPSEEK_V3_SERVING        # DeepSeek's EP32 prefill / EP144 decode, fp8 weights, mean KV 4,989
+serving = A.published.DEEPSEEK_V3_SERVING        # DeepSeek's EP32 prefill / EP144 decode, fp8 weights, mean KV 4,989
 kv_mla, kv_mha = A.kv_bytes_per_token(v3, 2, "mla"), A.kv_bytes_per_token(v3, 2, "mha")
 n_active = A.param_counts(v3).active   # weights one token multiplies with (embedding excluded)
 w144 = A.ep_weight_bytes_per_gpu(v3, serving.decode_ep, serving.weight_dtype_bytes)
-free_75 = math.floor(A.free_memory_bytes(h800.hbm_bytes, w144) / A.GB)   # the articles round 75.3 GB down
+free_75 = math.floor(A.free_memory_bytes(h800.hbm_bytes, w144) / A.units.GB)   # the articles round 75.3 GB down
 a100_2tb = a100.replace(hbm_bw=round(a100.hbm_bw / 1e12) * 1e12)      # ... and 2,039 GB/s to 2 TB/s
-moe8 = pdjax.ModelConfig(n_routed_experts=A.MEGASCALE_INFER_EXAMPLE.n_routed_experts,
-                         num_experts_per_tok=A.MEGASCALE_INFER_EXAMPLE.num_experts_per_tok)
-qwen, fastafd = A.QWEN3_GB200_COLOCATED, A.FASTAFD_EXAMPLE
+moe8 = pdjax.ModelConfig(n_routed_experts=A.published.MEGASCALE_INFER_EXAMPLE.n_routed_experts,
+                         num_experts_per_tok=A.published.MEGASCALE_INFER_EXAMPLE.num_experts_per_tok)
+qwen, fastafd = A.published.QWEN3_GB200_COLOCATED, A.published.FASTAFD_EXAMPLE
 costs = dict(F=1.0, B=2.0, W=1.0, FB=2.5)   # F = I >= W and F&B >= max(F, B): the closed forms apply
 ep_a2a = {ep: A.RooflineCostModel(v3, h800, dtype_bytes=2, ep_size=ep).op_costs(kv_lens=[0] * ep)["all_to_all"]
           for ep in (serving.prefill_ep, serving.decode_ep)}   # one token per GPU
@@ -126,9 +126,9 @@ SECTIONS: list[tuple[str, list[Row]]] = [
             "[[A.machine_balance(a100)|.0f]]"),
         Row("Machine balance A*, H200", Published(206, 0, "≈ 206"), "A.machine_balance(h200)", "{:.1f}", "FLOP/B"),
         Row("Share of peak a bf16 decode uses at B = 1, H100", Published(0.3, 1, "≈ 0.3"),
-            '100 * A.decode_utilisation_bound(h100, batch_tokens=1, dtype="bf16")', "{:.2f}", "%"),
+            '100 * A.roofline.decode_utilisation_bound(h100, batch_tokens=1, dtype="bf16")', "{:.2f}", "%"),
         Row("Decode batch to reach the compute roof, H100 bf16", Published(295, 0, "≈ A* ≈ 295"),
-            'A.compute_bound_batch(h100, "bf16")', "{:.1f}", "sequences"),
+            'A.roofline.compute_bound_batch(h100, "bf16")', "{:.1f}", "sequences"),
         Row("Attention intensity, MHA, bf16 (2/p; S cancels)", Formula("2/p", "2 / 2"),
             'A.attention_intensity(v3, "mha", 2)', "{:g}", "FLOP/B"),
         Row("Attention intensity, MLA, DeepSeek-V3, bf16", Published(56.9, 1, "≈ 56.9"),
@@ -136,9 +136,9 @@ SECTIONS: list[tuple[str, list[Row]]] = [
     ]),
     ("KV cache accounting", [
         Row("KV per token, DeepSeek-V3 MLA, bf16", Published(70272, 0), "kv_mla", "{:,.0f}", "B"),
-        Row("... in KiB", Published(68.6, 1), "kv_mla / A.KiB", "{:.2f}", "KiB"),
+        Row("... in KiB", Published(68.6, 1), "kv_mla / A.units.KiB", "{:.2f}", "KiB"),
         Row("KV per token, DeepSeek-V3 MHA counterfactual, bf16", Published(3997696, 0), "kv_mha", "{:,.0f}", "B"),
-        Row("... in MiB", Published(3.81, 2), "kv_mha / A.MiB", "{:.3f}", "MiB"),
+        Row("... in MiB", Published(3.81, 2), "kv_mha / A.units.MiB", "{:.3f}", "MiB"),
         Row("MHA / MLA, DeepSeek-V3", Published(56.9, 1), "kv_mha / kv_mla", "{:.2f}", "x"),
         Row("KV per token, DeepSeek-V2 MLA, bf16", Formula("(d_c + d_R) L p",
             "(v2.kv_lora_rank + v2.qk_rope_head_dim) * v2.num_hidden_layers * 2"),
@@ -151,12 +151,12 @@ SECTIONS: list[tuple[str, list[Row]]] = [
         Row("DeepSeek-V3 active parameters per token N_a", Published(37, 0, "37 B"), "n_active / 1e9", "{:.2f}",
             "B params"),
         Row("Weights in fp8", Published(671, 0, "671 GB"),
-            "A.param_counts(v3).total * serving.weight_dtype_bytes / A.GB", "{:.2f}", "GB"),
-        Row("... per GPU over EP144", Published(4.7, 1, "≈ 4.7 GB"), "w144 / A.GB", "{:.2f}", "GB",
+            "A.param_counts(v3).total * serving.weight_dtype_bytes / A.units.GB", "{:.2f}", "GB"),
+        Row("... per GPU over EP144", Published(4.7, 1, "≈ 4.7 GB"), "w144 / A.units.GB", "{:.2f}", "GB",
             "the whole model split evenly; `layout=\"replicated\"` (attention on every GPU) gives "
-            "[[A.ep_weight_bytes_per_gpu(v3, 144, 1, layout='replicated') / A.GB|.1f]] GB"),
+            "[[A.ep_weight_bytes_per_gpu(v3, 144, 1, layout='replicated') / A.units.GB|.1f]] GB"),
         Row("Free HBM per H800 after the weights", Published(75, 0, "75 GB"),
-            "A.free_memory_bytes(h800.hbm_bytes, w144) / A.GB", "{:.2f}", "GB",
+            "A.free_memory_bytes(h800.hbm_bytes, w144) / A.units.GB", "{:.2f}", "GB",
             "the rows below use `free_75`, rounded down to whole GB as the article does"),
         Row("Sequences per GPU C_max, MLA, S = 4,989", Published(214, 0, "≈ 214"),
             'A.concurrency_bound(free_75, serving.mean_kv_len, kv_mla, unit="GB")', "{:.1f}", "seqs"),
@@ -174,7 +174,7 @@ SECTIONS: list[tuple[str, list[Row]]] = [
             '100 * A.handoff_to_prefill_ratio(kv_mla, n_active, h800.peak_flops("bf16"), h800.scale_out_bw)',
             "{:.2f}", "%"),
         Row("Link speed at which the handoff reaches 50 % of prefill", Between(1, 2, "1-2 GB/s"),
-            'A.link_bw_for_handoff_ratio(0.5, kv_mla, n_active, h800.peak_flops("bf16")) / A.GB', "{:.2f}", "GB/s"),
+            'A.kv.link_bw_for_handoff_ratio(0.5, kv_mla, n_active, h800.peak_flops("bf16")) / A.units.GB', "{:.2f}", "GB/s"),
     ]),
     ("Expert parallelism and PD disaggregation", [
         Row("Decode EP over prefill EP (144 / 32)", Published(4.5, 1), "serving.ep_ratio", "{:g}", "x"),
@@ -194,9 +194,9 @@ SECTIONS: list[tuple[str, list[Row]]] = [
             "B = KV-token capacity / S, with the capacity the source reports"),
         Row("... at 128K context", Published(6, 0),
             "A.decode_batch_for_context(qwen.kv_token_capacity, 128 * 1024)", "{:.2f}", "seqs"),
-        Row("MoE MFU bound k/E, 8 experts top-2", Published(25, 0), "100 * A.moe_mfu_bound(moe8)", "{:.0f}", "%"),
+        Row("MoE MFU bound k/E, 8 experts top-2", Published(25, 0), "100 * A.moe.moe_mfu_bound(moe8)", "{:.0f}", "%"),
         Row("Tokens per expert at the A100 balance batch", Published(39, 0),
-            "A.tokens_per_expert_at_balance(moe8, a100_2tb)", "{:.1f}", "tokens"),
+            "A.moe.tokens_per_expert_at_balance(moe8, a100_2tb)", "{:.1f}", "tokens"),
         Row("Ping-pong micro-batches, T_c = T_f / 2: m >= 2(1 + T_c/T_f)", Published(3, 0),
             "A.afd_min_microbatches(0.5, 1.0)", "{:g}", ""),
         Row("Ping-pong micro-batches, T_c = T_f", Published(4, 0), "A.afd_min_microbatches(1.0, 1.0)", "{:g}", ""),

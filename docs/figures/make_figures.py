@@ -43,7 +43,7 @@ def workloads() -> Figure:
     x = np.logspace(-0.5, 4, 200)
     fig = Figure(figsize=(7.5, 3.8))
     ax = fig.subplots()
-    ax.loglog(x, [peak * A.utilisation_bound(a, balance) / 1e12 for a in x], color="black", lw=1.5)
+    ax.loglog(x, [peak * A.roofline.utilisation_bound(a, balance) / 1e12 for a in x], color="black", lw=1.5)
     ax.axvline(balance, color="grey", ls=":", lw=1)
     ax.text(balance * 1.15, peak / 1e12 * 0.004, f"machine balance\nA* = {balance:.0f} FLOP/B", color="grey",
             fontsize=8)
@@ -54,9 +54,9 @@ def workloads() -> Figure:
               ("decode weights, B = 128", A.weight_intensity(128, 2), "tab:blue", (-175, 8)),
               ("prefill weights, B = 4096", A.weight_intensity(4096, 2), "tab:red", (-130, -34))]
     for label, a, color, offset in points:
-        y = peak * A.utilisation_bound(a, balance) / 1e12
+        y = peak * A.roofline.utilisation_bound(a, balance) / 1e12
         ax.plot([a], [y], "o", color=color)
-        ax.annotate(f"{label}: {a:.3g} FLOP/B, {A.utilisation_bound(a, balance):.1%} of peak", (a, y),
+        ax.annotate(f"{label}: {a:.3g} FLOP/B, {A.roofline.utilisation_bound(a, balance):.1%} of peak", (a, y),
                     textcoords="offset points", xytext=offset, fontsize=7, color=color)
     ax.set_xlabel("arithmetic intensity (FLOP per HBM byte)")
     ax.set_ylabel("attainable TFLOP/s")
@@ -69,16 +69,16 @@ def mla_kv() -> Figure:
     """KV bytes per token of DeepSeek-V3 by attention kind, and the sequences that fit on
     an H800 decode GPU (fp8 weights over EP144) against the context length."""
     v3, hw = pdjax.configs.deepseek_v3(), A.hardware("h800")
-    serving = A.DEEPSEEK_V3_SERVING
+    serving = A.published.DEEPSEEK_V3_SERVING
     kinds = [("MHA", "mha", {}), ("GQA, 8 groups", "gqa", {"num_kv_groups": 8}),
              ("MQA", "mqa", {}), ("MLA", "mla", {})]
     kv = {label: A.kv_bytes_per_token(v3, 2, kind, **kw) for label, kind, kw in kinds}
     fig = Figure(figsize=(9, 3.4))
     ax1, ax2 = fig.subplots(1, 2)
-    bars = ax1.bar(list(kv), [v / A.KiB for v in kv.values()],
+    bars = ax1.bar(list(kv), [v / A.units.KiB for v in kv.values()],
                    color=["tab:purple", "tab:orange", "tab:grey", "tab:green"])
     ax1.set_yscale("log")
-    ax1.bar_label(bars, [f"{v / A.KiB:,.1f} KiB" for v in kv.values()], fontsize=8)
+    ax1.bar_label(bars, [f"{v / A.units.KiB:,.1f} KiB" for v in kv.values()], fontsize=8)
     ax1.set_ylabel("KV cache per token (KiB, bf16, 61 layers)")
     ax1.set_title("DeepSeek-V3: KV bytes per token")
     weights = A.ep_weight_bytes_per_gpu(v3, serving.decode_ep, serving.weight_dtype_bytes)
@@ -90,7 +90,7 @@ def mla_kv() -> Figure:
     ax2.axhline(1, color="grey", lw=0.8, ls=":")
     ax2.set_xlabel("context length S (tokens)")
     ax2.set_ylabel("sequences per GPU, C_max")
-    ax2.set_title(f"{hw.name}, fp8 weights over EP{serving.decode_ep}: {free / A.GB:.1f} GB free")
+    ax2.set_title(f"{hw.name}, fp8 weights over EP{serving.decode_ep}: {free / A.units.GB:.1f} GB free")
     ax2.legend()
     return fig
 
@@ -100,7 +100,7 @@ def ep_all_to_all() -> Figure:
     of 4,989 cached tokens per GPU, against the EP degree: expert weight reads shrink,
     the all-to-all grows towards 2 k D p per token per layer."""
     v3 = pdjax.configs.deepseek_v3()
-    s = A.DEEPSEEK_V3_SERVING.mean_kv_len
+    s = A.published.DEEPSEEK_V3_SERVING.mean_kv_len
     eps = (8, 16, 32, 64, 144, 256)
     ops = ("attention", "dense_mlp", "moe_experts", "all_to_all", "lm_head")
     colors = ("tab:green", "tab:olive", "tab:red", "tab:blue", "tab:grey")
@@ -119,13 +119,13 @@ def ep_all_to_all() -> Figure:
     ax1.set_ylabel("decode step (ms, no overlap)")
     ax1.set_title("DeepSeek-V3 decode step by op, 64 req/GPU")
     ax1.legend(fontsize=7)
-    per_token = [r["all_to_all"].link_bytes / 64 / A.KiB for r in rows]
+    per_token = [r["all_to_all"].link_bytes / 64 / A.units.KiB for r in rows]
     ax2.plot(eps, per_token, "o-", color="tab:blue", label="all-to-all bytes / token / MoE layer")
     ax2.set_xscale("log")
     ax2.set_xlabel("EP degree")
     ax2.set_ylabel("KiB per token per MoE layer")
     ax3 = ax2.twinx()
-    ax3.plot(eps, [A.ep_weight_bytes_per_gpu(v3, e, 1, layout="replicated") / A.GB for e in eps], "s--",
+    ax3.plot(eps, [A.ep_weight_bytes_per_gpu(v3, e, 1, layout="replicated") / A.units.GB for e in eps], "s--",
              color="tab:red", label="weights per GPU (fp8, GB)")
     ax3.set_ylabel("weights per GPU (GB, fp8)")
     ax2.set_ylim(0, max(per_token) * 1.15)

@@ -10,6 +10,9 @@ from hypothesis import strategies as st
 
 import pdjax
 from pdjax import analysis as A
+
+from pdjax.analysis.hardware import FIGURES, hardware_names, unregister_hardware
+from pdjax.analysis.report import Report, quickstart_section
 from pdjax.analysis.units import GB, GiB, TB
 
 CONTRACT_NAMES = ("h100-sxm", "h800", "h200", "a100", "mi300x", "gb200", "ascend-910c")
@@ -21,7 +24,7 @@ CONTRACT_NAMES = ("h100-sxm", "h800", "h200", "a100", "mi300x", "gb200", "ascend
 def test_presets_have_sourced_figures(name):
     spec = A.hardware(name)
     assert isinstance(spec, A.HardwareSpec)
-    for field in A.FIGURES:
+    for field in FIGURES:
         assert spec.source(field), f"{name}.{field} has no source note"
     for field in ("peak_bf16_flops", "hbm_bytes", "hbm_bw", "scale_up_bw", "scale_out_bw"):
         assert getattr(spec, field) > 0
@@ -34,7 +37,7 @@ def test_lookup_is_forgiving_about_spelling():
     assert A.hardware("Ascend_910C") is A.hardware("910c")
     spec = A.hardware("h200")
     assert A.hardware(spec) is spec
-    assert set(CONTRACT_NAMES) <= set(A.hardware_names())
+    assert set(CONTRACT_NAMES) <= set(hardware_names())
 
 
 def test_unknown_hardware():
@@ -75,10 +78,10 @@ def test_register_custom_hardware():
         A.register_hardware(faster, overwrite=True)
         assert A.machine_balance("my-npu") == pytest.approx(100)
     finally:
-        A.unregister_hardware("my-npu")
-    assert "my-npu" not in A.hardware_names()
+        unregister_hardware("my-npu")
+    assert "my-npu" not in hardware_names()
     with pytest.raises(ValueError, match="preset"):
-        A.unregister_hardware("h100")
+        unregister_hardware("h100")
     with pytest.raises(TypeError):
         A.register_hardware({"name": "dict"})
 
@@ -163,12 +166,12 @@ def test_ep_layouts():
     (lambda c: A.free_memory_bytes(80 * GB, 4 * GB, act_bytes=-1), "act_bytes"),
     (lambda c: A.kv_handoff_time(32768, 70272, -50 * GB), "link_bw"),
     (lambda c: A.handoff_to_prefill_ratio(70272, 37e9, 989e12, 0), "link_bw"),
-    (lambda c: A.prefill_compute_time(4096, -1, 989e12), "active_params"),
+    (lambda c: A.kv.prefill_compute_time(4096, -1, 989e12), "active_params"),
     (lambda c: A.weight_intensity(-1), "batch_tokens"),
     (lambda c: A.ep_weight_bytes_per_gpu(c, 0), "ep_size"),
     (lambda c: A.ep_weight_bytes_per_gpu(c, 8, layout="striped"), "unknown EP layout"),
-    (lambda c: A.moe_mfu_bound(c.replace(n_routed_experts=0, first_k_dense_replace=0)), "no routed"),
-    (lambda c: A.tokens_per_expert(c, -3), "batch_tokens"),
+    (lambda c: A.moe.moe_mfu_bound(c.replace(n_routed_experts=0, first_k_dense_replace=0)), "no routed"),
+    (lambda c: A.moe.tokens_per_expert(c, -3), "batch_tokens"),
     (lambda c: A.bubble_ratio_1f1b(0, 16), "num_stages"),
     (lambda c: A.bubble_ratio_1f1b(16, 2.5), "num_microbatches"),
     (lambda c: A.min_microbatches_1f1b(16, 1.5), "max_ratio"),
@@ -176,7 +179,7 @@ def test_ep_layouts():
     (lambda c: A.afd_min_microbatches(-1.0, 1.0), "comm_time"),
     (lambda c: A.afd_speedup(1.5, 1.15, 1.2), "attention_share"),
     (lambda c: A.afd_speedup(-1.5, 1.15, 0.8), "batch_gain"),
-    (lambda c: A.attention_share(0, 16), "num_attention"),
+    (lambda c: A.afd.attention_share(0, 16), "num_attention"),
     (lambda c: A.decode_batch_for_context(808704, -2048), "context_len"),
     (lambda c: A.report(c, "h800", context_len=-1, verbose=False), "context_len"),
     (lambda c: A.report(c, "nonesuch", verbose=False), "unknown hardware"),
@@ -229,7 +232,7 @@ def test_report_returns_data_and_prints_only_when_asked(capsys):
     assert "machine_balance_bf16_flop_per_B" in printed and "c_max_mla" in printed
     assert printed.strip() == str(sheet).strip() and "c_max_mla" in sheet._repr_html_()
     d = sheet.as_dict()
-    assert set(A.Report.SECTIONS) <= set(d)
+    assert set(Report.SECTIONS) <= set(d)
     assert d["attention"]["mla_kv_per_token_B"] == 70272
     assert "gqa8_kv_per_token_B" in d["attention"]
     assert d["memory"]["free_GiB"] == pytest.approx(d["memory"]["free_GB"] * GB / GiB)
@@ -242,13 +245,13 @@ def test_report_when_weights_do_not_fit():
     sheet = A.report(pdjax.configs.deepseek_v3(), "h100", ep_size=1, verbose=False)
     assert sheet.memory["weights_fit"] is False
     assert sheet.memory["c_max_mla"] == 0
-    assert "do not fit" in A.quickstart_section(pdjax.configs.deepseek_v3(), "h100")
+    assert "do not fit" in quickstart_section(pdjax.configs.deepseek_v3(), "h100")
 
 
 def test_quickstart_section():
-    text = A.quickstart_section(pdjax.configs.deepseek_v3(), "h800", context_len=4989,
+    text = quickstart_section(pdjax.configs.deepseek_v3(), "h800", context_len=4989,
                                 ep_size=144, weight_dtype_bytes=1)
     assert "70,272 B (68.6 KiB)" in text and "3,997,696 B (3.81 MiB)" in text
     assert "56.9x" in text and "295 FLOP/B" in text and "C_max" in text
-    tiny = A.quickstart_section(pdjax.configs.tiny(), "a100")
+    tiny = quickstart_section(pdjax.configs.tiny(), "a100")
     assert tiny.startswith("### ") and "MLA" in tiny and "MHA" in tiny

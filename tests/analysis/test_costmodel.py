@@ -60,7 +60,7 @@ def test_decode_needs_about_balance_batch_to_leave_memory_bound(v3):
     """Dense weight GEMMs turn compute-bound near B = A* (295 on H800 bf16): the dense MLP
     op is memory-bound at B = A*/2 and compute-bound at 2 A*."""
     model = A.RooflineCostModel(v3, "h800")
-    a_star = A.compute_bound_batch("h800")
+    a_star = A.roofline.compute_bound_batch("h800")
     lo = model.op_costs(kv_lens=[1] * int(a_star / 2))["dense_mlp"]
     hi = model.op_costs(kv_lens=[1] * int(2 * a_star))["dense_mlp"]
     assert lo.bound == "memory" and hi.bound == "compute"
@@ -74,7 +74,7 @@ def test_prefill_large_q_is_compute_bound(v3_h800, v3):
         assert ops[name].bound == "compute", name
     t = v3_h800.prefill_step_time([(32768, 0)])
     counts = A.param_counts(v3)
-    assert t >= A.prefill_compute_time(32768, counts.active, v3_h800.peak_flops)
+    assert t >= A.kv.prefill_compute_time(32768, counts.active, v3_h800.peak_flops)
     # the handoff is then a small fraction of the prefill, as in the source articles (~1.9 %
     # of the weight FLOPs alone)
     assert v3_h800.kv_transfer_time(32768, 50 * GB) / t < A.handoff_to_prefill_ratio(
@@ -82,13 +82,13 @@ def test_prefill_large_q_is_compute_bound(v3_h800, v3):
 
 
 def test_expected_distinct_experts():
-    assert A.expected_distinct_experts(256, 8, 1) == pytest.approx(8)
-    assert A.expected_distinct_experts(256, 8, 0) == 0
-    assert A.expected_distinct_experts(256, 8, 10**5) == pytest.approx(256)
-    vals = [A.expected_distinct_experts(16, 2, t) for t in range(1, 50)]
+    assert A.costmodel.expected_distinct_experts(256, 8, 1) == pytest.approx(8)
+    assert A.costmodel.expected_distinct_experts(256, 8, 0) == 0
+    assert A.costmodel.expected_distinct_experts(256, 8, 10**5) == pytest.approx(256)
+    vals = [A.costmodel.expected_distinct_experts(16, 2, t) for t in range(1, 50)]
     assert all(b > a for a, b in zip(vals, vals[1:]))
     with pytest.raises(ValueError, match="top_k"):
-        A.expected_distinct_experts(4, 8, 1)
+        A.costmodel.expected_distinct_experts(4, 8, 1)
 
 
 def test_prefill_cost_grows_with_q_and_c(v3_h800):
@@ -275,7 +275,7 @@ coef = st.floats(min_value=1e-12, max_value=1e-6)
        d=st.one_of(st.just(0.0), st.floats(min_value=1e-6, max_value=1e-2)),
        c=st.integers(0, 200_000), budget=st.floats(min_value=1e-4, max_value=10.0))
 def test_max_chunk_brackets_budget(a, b, g, d, c, budget):
-    fit = A.PrefillCostFit(a=a, b=b, g=g, r2=1.0, n=3, d=d)
+    fit = A.costmodel_fit.PrefillCostFit(a=a, b=b, g=g, r2=1.0, n=3, d=d)
     q = fit.max_chunk(c, budget)
     assert q >= 0
     if q > 0:
@@ -290,7 +290,7 @@ def test_max_chunk_brackets_budget(a, b, g, d, c, budget):
        budget=st.floats(min_value=1e-4, max_value=5.0), align=st.sampled_from([1, 8, 128, 256]),
        q_max=st.one_of(st.none(), st.integers(1, 20_000)))
 def test_max_chunk_alignment_and_cap(a, g, c, budget, align, q_max):
-    fit = A.PrefillCostFit(a=a, b=1e-10, g=g, r2=1.0, n=3)
+    fit = A.costmodel_fit.PrefillCostFit(a=a, b=1e-10, g=g, r2=1.0, n=3)
     q = fit.max_chunk(c, budget, q_max=q_max, align=align)
     free = fit.max_chunk(c, budget)
     assert q % align == 0 and q <= free
@@ -303,7 +303,7 @@ def test_max_chunk_alignment_and_cap(a, g, c, budget, align, q_max):
 
 
 def test_max_chunk_examples():
-    fit = A.PrefillCostFit(a=1e-8, b=1e-9, g=1e-5, r2=1.0, n=3)
+    fit = A.costmodel_fit.PrefillCostFit(a=1e-8, b=1e-9, g=1e-5, r2=1.0, n=3)
     q = fit.max_chunk(4096, 0.05)
     assert fit(q, 4096) <= 0.05 < fit(q + 1, 4096)
     assert fit.max_chunk(4096, 0.05, align=256) == (q // 256) * 256
@@ -311,7 +311,7 @@ def test_max_chunk_examples():
     assert fit.max_chunk(10**9, 1e-6) == 0                       # not even one token fits
     assert fit.max_chunk(0, fit(300, 0), align=256) == 256
     assert fit.max_chunk(0, fit(200, 0), align=256) == 0         # fewer than one tile fits
-    const = A.PrefillCostFit(a=0.0, b=0.0, g=0.0, r2=1.0, n=3, d=0.01)
+    const = A.costmodel_fit.PrefillCostFit(a=0.0, b=0.0, g=0.0, r2=1.0, n=3, d=0.01)
     assert const.max_chunk(0, 1.0, q_max=512) == 512
     assert const.max_chunk(0, 0.001, q_max=512) == 0
     with pytest.raises(ValueError, match="q_max"):
@@ -333,7 +333,7 @@ def test_fit_of_roofline_model_matches_it(v3_h800, v3):
     samples = [(q, c, v3_h800.prefill_step_time([(q, c)])) for q, c in shapes]
     fit = A.fit_prefill_cost(samples)
     assert fit.r2 > 0.999
-    pair_flops = (A.attention_flops_per_token(v3, 1) + 2 * v3.num_attention_heads
+    pair_flops = (A.roofline.attention_flops_per_token(v3, 1) + 2 * v3.num_attention_heads
                   * v3.qk_rope_head_dim) * v3.num_hidden_layers
     assert fit.b == pytest.approx(pair_flops / v3_h800.peak_flops, rel=0.03)
     q = fit.max_chunk(16384, 2.0, align=128)
@@ -376,7 +376,7 @@ def test_calibrate_bad_input(tiny_cfg, tiny_params):
     with pytest.raises(ValueError, match="statistic"):
         A.calibrate(tiny_params, tiny_cfg, [(8, 0), (16, 0), (32, 0)], statistic="mean")
     with pytest.raises(ValueError, match="repeats"):
-        A.measure_prefill(tiny_params, tiny_cfg, [(8, 0)], repeats=0)
+        A.costmodel_calibrate.measure_prefill(tiny_params, tiny_cfg, [(8, 0)], repeats=0)
 
 
 # ---- fitted decode step cost t(B, K) = d0 + d1 B + d2 K ------------------------------------
@@ -496,4 +496,4 @@ def test_calibrate_decode_bad_input(tiny_cfg, tiny_params):
         A.calibrate_decode(tiny_params, tiny_cfg, ok, statistic="mean")
     for kwargs in (dict(repeats=0), dict(distinct_rows=0), dict(prefill_tokens=True)):
         with pytest.raises(ValueError, match=next(iter(kwargs))):
-            A.measure_decode(tiny_params, tiny_cfg, [(1, 8)], **kwargs)
+            A.costmodel_calibrate.measure_decode(tiny_params, tiny_cfg, [(1, 8)], **kwargs)

@@ -106,7 +106,7 @@ def test_afd_single_request_matches_step_model(cost):
 
 
 def test_afd_cycle_hides_exchange_at_the_analytic_bound():
-    from pdjax.analysis import afd_min_microbatches_int
+    from pdjax.analysis.afd import afd_min_microbatches_int
     t_f = 1.0
     for t_c in (0.25, 0.5, 0.9):
         m = afd_min_microbatches_int(t_c, t_f)
