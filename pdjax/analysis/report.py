@@ -14,8 +14,8 @@ from typing import Optional, Sequence
 from pdjax.analysis import afd, bubbles, kv, moe, roofline
 from pdjax.analysis.hardware import HardwareLike, hardware
 from pdjax.param_counts import param_counts
-from pdjax.analysis.units import (GB, GiB, check_nonnegative, check_positive_int, format_bytes,
-                                  format_count)
+from pdjax.arguments import check_int, check_nonnegative
+from pdjax.analysis.units import GB, GiB, format_bytes, format_count
 from pdjax.config import ModelConfig
 
 
@@ -98,68 +98,16 @@ def report(cfg: ModelConfig, hw: HardwareLike, *, context_len: int = 4096,
     if not isinstance(cfg, ModelConfig):
         raise TypeError(f"report expects a ModelConfig, got {type(cfg).__name__}")
     hw = hardware(hw)
-    check_positive_int("context_len", context_len)
+    check_int("context_len", context_len)
     check_nonnegative("act_bytes", act_bytes)
     hbm = hw.require("hbm_bytes", "the memory sheet")
     counts = param_counts(cfg)
     p_w = weight_dtype_bytes
-
-    roof = {
-        "compute_dtype": compute_dtype,
-        "weight_intensity_B1_flop_per_B": roofline.weight_intensity(1, p_w),
-        "machine_balance_bf16_flop_per_B": roofline.machine_balance(hw, "bf16"),
-        "machine_balance_fp8_flop_per_B": _optional(roofline.machine_balance, hw, "fp8"),
-        "decode_utilisation_bound_B1": roofline.decode_utilisation_bound(
-            hw, 1, compute_dtype, weight_dtype_bytes=p_w),
-        "compute_bound_batch": roofline.compute_bound_batch(hw, compute_dtype, p_w),
-    }
-
-    kinds = [("mla", None), ("mha", None), ("mqa", None)]
-    if num_kv_groups is not None:
-        kinds.insert(2, ("gqa", num_kv_groups))
-    mla_kv = kv.kv_bytes_per_token(cfg, kv_dtype_bytes, "mla")
-    attention = {}
-    for kind, groups in kinds:
-        name = kind if groups is None else f"gqa{groups}"
-        per_tok = kv.kv_bytes_per_token(cfg, kv_dtype_bytes, kind, groups)
-        attention[f"{name}_kv_per_token_B"] = per_tok
-        attention[f"{name}_intensity_flop_per_B"] = roofline.attention_intensity(
-            cfg, kind, kv_dtype_bytes, groups)
+    roof = _roofline_section(hw, compute_dtype, p_w)
+    attention, mla_kv = _attention_section(cfg, kv_dtype_bytes, num_kv_groups)
     mha_kv = attention["mha_kv_per_token_B"]
-    attention["mha_over_mla_kv_ratio"] = mha_kv / mla_kv
-    attention["kv_dtype_bytes"] = kv_dtype_bytes
-
-    weights = moe.ep_weight_bytes_per_gpu(cfg, ep_size, p_w, ep_layout) if cfg.n_routed_experts \
-        else counts.total * p_w / check_positive_int("ep_size", ep_size)
-    free = hbm - weights - act_bytes
-    fits = free > 0
-    free_b = max(free, 0.0)
-    memory = {
-        "hbm_GB": hbm / GB,
-        "weights_per_gpu_GB": weights / GB,
-        "ep_size": ep_size,
-        "ep_layout": ep_layout,
-        "act_reserved_GB": act_bytes / GB,
-        "weights_fit": fits,
-        "free_GB": free_b / GB,
-        "free_GiB": free_b / GiB,
-        "context_len": context_len,
-        "mla_kv_per_sequence_GB": context_len * mla_kv / GB,
-        "mha_kv_per_sequence_GB": context_len * mha_kv / GB,
-        "c_max_mla": free_b / (context_len * mla_kv),
-        "c_max_mha": free_b / (context_len * mha_kv),
-    }
-
-    bw = _optional(hw.link_bw, link)
-    peak = hw.peak_flops(compute_dtype)
-    handoff = {"link": link, "link_bw_B_per_s": bw, "context_len": handoff_context_len}
-    if bw is not None:
-        handoff["mla_time_s"] = kv.kv_handoff_time(handoff_context_len, mla_kv, bw)
-        handoff["mha_time_s"] = kv.kv_handoff_time(handoff_context_len, mha_kv, bw)
-        handoff["mla_ratio_to_prefill"] = kv.handoff_to_prefill_ratio(mla_kv, counts.active, peak, bw)
-    handoff["prefill_compute_s"] = kv.prefill_compute_time(handoff_context_len, counts.active, peak)
-    handoff["link_bw_for_50pct_B_per_s"] = kv.link_bw_for_handoff_ratio(0.5, mla_kv, counts.active, peak)
-
+    memory = _memory_section(cfg, counts, hbm, p_w, ep_size, ep_layout, act_bytes, context_len, mla_kv, mha_kv)
+    handoff = _handoff_section(hw, counts, link, handoff_context_len, compute_dtype, mla_kv, mha_kv)
     moe_sheet = {}
     if cfg.n_routed_experts:
         moe_sheet = {
@@ -188,6 +136,80 @@ def report(cfg: ModelConfig, hw: HardwareLike, *, context_len: int = 4096,
     if verbose:
         print(out)
     return out
+
+
+def _roofline_section(hw, compute_dtype: str, p_w: float) -> dict:
+    """The [roofline] section: weight intensity, machine balance, decode bound."""
+    return {
+        "compute_dtype": compute_dtype,
+        "weight_intensity_B1_flop_per_B": roofline.weight_intensity(1, p_w),
+        "machine_balance_bf16_flop_per_B": roofline.machine_balance(hw, "bf16"),
+        "machine_balance_fp8_flop_per_B": _optional(roofline.machine_balance, hw, "fp8"),
+        "decode_utilisation_bound_B1": roofline.decode_utilisation_bound(
+            hw, 1, compute_dtype, weight_dtype_bytes=p_w),
+        "compute_bound_batch": roofline.compute_bound_batch(hw, compute_dtype, p_w),
+    }
+
+
+def _attention_section(cfg: ModelConfig, kv_dtype_bytes: float,
+                       num_kv_groups: Optional[int]) -> tuple[dict, float]:
+    """The [attention] section: KV bytes per token and intensity of MLA, MHA, (GQA,) MQA;
+    and MLA's KV bytes per token."""
+    kinds = [("mla", None), ("mha", None), ("mqa", None)]
+    if num_kv_groups is not None:
+        kinds.insert(2, ("gqa", num_kv_groups))
+    mla_kv = kv.kv_bytes_per_token(cfg, kv_dtype_bytes, "mla")
+    attention = {}
+    for kind, groups in kinds:
+        name = kind if groups is None else f"gqa{groups}"
+        per_tok = kv.kv_bytes_per_token(cfg, kv_dtype_bytes, kind, groups)
+        attention[f"{name}_kv_per_token_B"] = per_tok
+        attention[f"{name}_intensity_flop_per_B"] = roofline.attention_intensity(
+            cfg, kind, kv_dtype_bytes, groups)
+    mha_kv = attention["mha_kv_per_token_B"]
+    attention["mha_over_mla_kv_ratio"] = mha_kv / mla_kv
+    attention["kv_dtype_bytes"] = kv_dtype_bytes
+    return attention, mla_kv
+
+
+def _memory_section(cfg: ModelConfig, counts, hbm: float, p_w: float, ep_size: int, ep_layout: str,
+                    act_bytes: float, context_len: int, mla_kv: float, mha_kv: float) -> dict:
+    """The [memory] section: weights per device, what is left of HBM, C_max MLA vs MHA."""
+    weights = moe.ep_weight_bytes_per_gpu(cfg, ep_size, p_w, ep_layout) if cfg.n_routed_experts \
+        else counts.total * p_w / check_int("ep_size", ep_size)
+    free = hbm - weights - act_bytes
+    fits = free > 0
+    free_b = max(free, 0.0)
+    return {
+        "hbm_GB": hbm / GB,
+        "weights_per_gpu_GB": weights / GB,
+        "ep_size": ep_size,
+        "ep_layout": ep_layout,
+        "act_reserved_GB": act_bytes / GB,
+        "weights_fit": fits,
+        "free_GB": free_b / GB,
+        "free_GiB": free_b / GiB,
+        "context_len": context_len,
+        "mla_kv_per_sequence_GB": context_len * mla_kv / GB,
+        "mha_kv_per_sequence_GB": context_len * mha_kv / GB,
+        "c_max_mla": free_b / (context_len * mla_kv),
+        "c_max_mha": free_b / (context_len * mha_kv),
+    }
+
+
+def _handoff_section(hw, counts, link: str, handoff_context_len: int, compute_dtype: str,
+                     mla_kv: float, mha_kv: float) -> dict:
+    """The [handoff] section: P->D KV transfer time over ``link`` against the prefill."""
+    bw = _optional(hw.link_bw, link)
+    peak = hw.peak_flops(compute_dtype)
+    handoff = {"link": link, "link_bw_B_per_s": bw, "context_len": handoff_context_len}
+    if bw is not None:
+        handoff["mla_time_s"] = kv.kv_handoff_time(handoff_context_len, mla_kv, bw)
+        handoff["mha_time_s"] = kv.kv_handoff_time(handoff_context_len, mha_kv, bw)
+        handoff["mla_ratio_to_prefill"] = kv.handoff_to_prefill_ratio(mla_kv, counts.active, peak, bw)
+    handoff["prefill_compute_s"] = kv.prefill_compute_time(handoff_context_len, counts.active, peak)
+    handoff["link_bw_for_50pct_B_per_s"] = kv.link_bw_for_handoff_ratio(0.5, mla_kv, counts.active, peak)
+    return handoff
 
 
 def _bytes_label(n: float) -> str:

@@ -28,7 +28,7 @@ from pdjax.experiments.results import Result, markdown_table
 from pdjax.experiments.schema import knob, parse, table
 from pdjax.sim.cost import LinearStepCost
 from pdjax.sim.deployment import Colocated, PDDisaggregated
-from pdjax.sim.engine import simulate
+from pdjax.sim import simulate
 from pdjax.sim.metrics import SLO
 from pdjax.sim.prefix_cache import PrefixCache
 from pdjax.sim.search import (_pick, af_ratio_sweep, max_rate_under_slo, pd_ratio_sweep,

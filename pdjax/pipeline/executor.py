@@ -38,11 +38,12 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from pdjax.config import ModelConfig
+from pdjax.pipeline import executor_checks as ec
 from pdjax.pipeline import stages as st
 from pdjax.schedules.ops import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, OverlapFB
 from pdjax.pipeline.runtime import _StepRun
 
-LOSSES = ("next_token",)
+LOSSES = ec.LOSSES   # the losses the executor runs
 
 
 # compiled programs shared by executors (and schedules) that run the same stage program on the
@@ -146,34 +147,11 @@ class Executor:
 
     def __init__(self, schedule, cfg: ModelConfig, devices=None, loss: str = "next_token", *,
                  layers_per_stage=None, measure: bool = True, timeout_s: float = 600.0):
-        if not isinstance(cfg, ModelConfig):
-            raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
-        if loss not in LOSSES:
-            raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
-        schedule.validate()
-        layout = schedule.layout
-        lengths = {len(p.stages) for p in layout.pipelines}
-        if len(lengths) != 1:
-            raise ValueError(f"every pipeline must have the same number of stages to hold the whole "
-                             f"model, got {sorted(len(p.stages) for p in layout.pipelines)}")
-        ids = sorted(m for p in layout.pipelines for m in p.microbatches)
-        if ids != list(range(schedule.num_microbatches)):
-            raise ValueError(f"the executor needs micro-batch ids 0..{schedule.num_microbatches - 1} "
-                             f"(micro-batch i is rows i*b..(i+1)*b of the batch), got {ids[:8]}...")
-        devices = list(jax.devices() if devices is None else devices)
-        n = schedule.num_ranks
-        if n > len(devices):
-            raise ValueError(f"the schedule has {n} ranks but only {len(devices)} devices were given")
-        if len(devices) % n:
-            raise ValueError(f"{len(devices)} devices do not split evenly into {n} ranks")
-        k = len(devices) // n
-        if k > 1 and cfg.n_routed_experts and cfg.n_routed_experts % k:
-            raise ValueError(f"each rank's sub-mesh has {k} devices, which do not divide the "
-                             f"{cfg.n_routed_experts} routed experts (expert parallelism inside a stage)")
+        devices, k, num_chunks = ec.check_setup(schedule, cfg, devices, loss)
+        layout, n = schedule.layout, schedule.num_ranks
         self.schedule, self.cfg, self.loss, self.measure, self.timeout_s = schedule, cfg, loss, measure, timeout_s
         self.devices_per_rank = k
         self.ranks = [_Rank(r, devices[r * k:(r + 1) * k]) for r in range(n)]
-        num_chunks = lengths.pop()
         self.chunks = st.split_layers(cfg.num_hidden_layers, num_chunks, layers_per_stage)
         # stage -> chunk (its position in its pipeline)
         self.stage_chunk = [0] * schedule.num_stages
@@ -194,57 +172,18 @@ class Executor:
         """Checks of a token batch [B,T] before any compute. A host array is checked fully
         (shape, dtype, ids in the vocabulary) and returned as int32 numpy; a jax.Array only
         by shape and dtype (reading its values would wait for the device)."""
-        if isinstance(tokens, jax.Array):
-            if not tokens.is_fully_addressable:
-                raise ValueError("tokens must be fully addressable")
-            if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-                raise ValueError(f"tokens must be integer ids [B, T], got {tokens.dtype} {tokens.shape}")
-            self.check_shape(tokens.shape)
-            return tokens.astype(jnp.int32)
-        arr = np.asarray(tokens)
-        if arr.ndim != 2:
-            raise ValueError(f"tokens must be [B, T], got shape {arr.shape}")
-        if not np.issubdtype(arr.dtype, np.integer):
-            raise TypeError(f"tokens must be integer ids, got dtype {arr.dtype}")
-        self.check_shape(arr.shape)
-        if arr.min() < 0 or arr.max() >= self.cfg.vocab_size:
-            bad = int(arr.min()) if arr.min() < 0 else int(arr.max())
-            raise ValueError(f"tokens hold id {bad}, outside [0, vocab_size={self.cfg.vocab_size})")
-        return arr.astype(np.int32)
+        return ec.check_batch(tokens, self.cfg.vocab_size, self.check_shape)
 
     def check_shape(self, batch_shape) -> None:
         """A batch [B,T] must split into the micro-batches and over a rank's devices."""
-        B, T = (int(v) for v in batch_shape)
-        m = self.schedule.num_microbatches
-        if B < m or B % m:
-            raise ValueError(f"batch of {B} sequences does not split into the schedule's {m} micro-batches")
-        if (B // m) % self.devices_per_rank:
-            raise ValueError(f"micro-batch of {B // m} sequences does not split over the "
-                             f"{self.devices_per_rank} devices of a rank (data-parallel attention)")
-        if T < 2:
-            raise ValueError(f"next-token loss needs sequences of at least 2 tokens, got T={T}")
-        if T > self.cfg.max_position_embeddings:
-            raise ValueError(f"T={T} exceeds max_position_embeddings={self.cfg.max_position_embeddings}")
+        ec.check_shape(batch_shape, self.cfg, self.schedule.num_microbatches, self.devices_per_rank)
 
     def check_params(self, params) -> None:
         """The model's param tree for ``cfg``: same structure and shapes as ``init_params``."""
-        if not isinstance(params, dict) or "layers" not in params:
-            raise ValueError("params must be the model's param dict (pdjax.init_params / load_hf)")
-        if len(params["layers"]) != self.cfg.num_hidden_layers:
-            raise ValueError(f"params hold {len(params['layers'])} layers, the config "
-                             f"{self.cfg.num_hidden_layers}")
+        ec.check_param_layers(params, self.cfg)
         if self._param_shapes is None:
-            from pdjax.model.transformer import init_params
-
-            self._param_shapes = jax.eval_shape(lambda k: init_params(self.cfg, k), jax.random.key(0))
-        want, got = jax.tree.structure(self._param_shapes), jax.tree.structure(params)
-        if want != got:
-            raise ValueError(f"params do not have the model's structure: expected {want}, got {got}")
-        for path, a, b in zip(jax.tree_util.tree_flatten_with_path(params)[0],
-                              jax.tree.leaves(params), jax.tree.leaves(self._param_shapes)):
-            if tuple(np.shape(a)) != tuple(b.shape):
-                raise ValueError(f"param {jax.tree_util.keystr(path[0])} has shape {np.shape(a)}, "
-                                 f"the config gives {b.shape}")
+            self._param_shapes = ec.param_shapes(self.cfg)
+        ec.check_param_shapes(params, self._param_shapes)
 
     # ---- placement ----------------------------------------------------------------------------
     def place(self, params) -> list[dict]:

@@ -50,8 +50,7 @@ def lower_bound(layout: Layout, costs: dict) -> float:
     """
     f, i_, w = _eff(costs)
     comm = np.asarray(costs["comm"], dtype=float).tolist()
-    sr, prev, nxt = layout.stage_rank, layout.prev_stage, layout.next_stage
-    S = layout.num_stages
+    sr = layout.stage_rank
 
     def c(a: int, b: int) -> float:   # latency from stage a to stage b
         return comm[a] if sr[a] != sr[b] else 0.0
@@ -59,41 +58,9 @@ def lower_bound(layout: Layout, costs: dict) -> float:
     heads = {}
     tails = {}
     for pipe in layout.pipelines:
-        m = pipe.num_microbatches
-        st = pipe.stages
-        eF = {s: [0.0] * m for s in st}
-        eI = {s: [0.0] * m for s in st}
-        eW = {s: [0.0] * m for s in st}
-        for s in st:
-            for k in range(m):
-                t = eF[s][k - 1] if k else 0.0
-                if prev[s] >= 0:
-                    t = max(t, eF[prev[s]][k] + c(prev[s], s))
-                eF[s][k] = t + f[s]
-        for s in reversed(st):
-            for k in range(m):
-                t = max(eF[s][k], eI[s][k - 1] if k else 0.0)
-                if nxt[s] >= 0:
-                    t = max(t, eI[nxt[s]][k] + c(nxt[s], s))
-                eI[s][k] = t + i_[s]
-                eW[s][k] = max(eI[s][k], eW[s][k - 1] if k else 0.0) + w[s]
-        # tails, k counted from the end: qX(s, k) = least time after the op's end
-        qW = {s: [w[s] * k for k in range(m)] for s in st}
-        qI = {s: [0.0] * m for s in st}
-        qF = {s: [0.0] * m for s in st}
-        for s in st:   # backward tails run down the chain: prev stages first
-            for k in range(m):
-                t = max(w[s] + qW[s][k], (qI[s][k - 1] + i_[s]) if k else 0.0)
-                if prev[s] >= 0:
-                    t = max(t, c(s, prev[s]) + i_[prev[s]] + qI[prev[s]][k])
-                qI[s][k] = t
-        for s in reversed(st):
-            for k in range(m):
-                t = max(i_[s] + qI[s][k], (qF[s][k - 1] + f[s]) if k else 0.0)
-                if nxt[s] >= 0:
-                    t = max(t, c(s, nxt[s]) + f[nxt[s]] + qF[nxt[s]][k])
-                qF[s][k] = t
-        for s in st:
+        eF, eI, eW = _heads(layout, pipe, f, i_, w, c)
+        qF, qI, qW = _tails(layout, pipe, f, i_, w, c)
+        for s in pipe.stages:
             heads[s] = (eF[s], eI[s], eW[s])
             tails[s] = (qF[s], qI[s], qW[s])
     best = 0.0
@@ -105,8 +72,56 @@ def lower_bound(layout: Layout, costs: dict) -> float:
                 m = len(e)
                 jobs.extend((e[k] - d, d, q[m - 1 - k]) for k in range(m))
         best = max(best, _jackson_preemptive(jobs))
-    del S
     return best
+
+
+def _heads(layout: Layout, pipe, f: list, i_: list, w: list, c) -> tuple[dict, dict, dict]:
+    """Per stage of ``pipe``, the earliest ends ``eF, eI, eW`` of its ``k``-th forward,
+    input-grad and weight-grad (module docstring); ``c(a, b)`` the latency from a to b."""
+    prev, nxt = layout.prev_stage, layout.next_stage
+    m = pipe.num_microbatches
+    st = pipe.stages
+    eF = {s: [0.0] * m for s in st}
+    eI = {s: [0.0] * m for s in st}
+    eW = {s: [0.0] * m for s in st}
+    for s in st:
+        for k in range(m):
+            t = eF[s][k - 1] if k else 0.0
+            if prev[s] >= 0:
+                t = max(t, eF[prev[s]][k] + c(prev[s], s))
+            eF[s][k] = t + f[s]
+    for s in reversed(st):
+        for k in range(m):
+            t = max(eF[s][k], eI[s][k - 1] if k else 0.0)
+            if nxt[s] >= 0:
+                t = max(t, eI[nxt[s]][k] + c(nxt[s], s))
+            eI[s][k] = t + i_[s]
+            eW[s][k] = max(eI[s][k], eW[s][k - 1] if k else 0.0) + w[s]
+    return eF, eI, eW
+
+
+def _tails(layout: Layout, pipe, f: list, i_: list, w: list, c) -> tuple[dict, dict, dict]:
+    """Per stage of ``pipe``, the tails ``qF, qI, qW``, ``k`` counted from the end: the least
+    time after the op's end (its backward chain, the remaining ops of its kind)."""
+    prev, nxt = layout.prev_stage, layout.next_stage
+    m = pipe.num_microbatches
+    st = pipe.stages
+    qW = {s: [w[s] * k for k in range(m)] for s in st}
+    qI = {s: [0.0] * m for s in st}
+    qF = {s: [0.0] * m for s in st}
+    for s in st:   # backward tails run down the chain: prev stages first
+        for k in range(m):
+            t = max(w[s] + qW[s][k], (qI[s][k - 1] + i_[s]) if k else 0.0)
+            if prev[s] >= 0:
+                t = max(t, c(s, prev[s]) + i_[prev[s]] + qI[prev[s]][k])
+            qI[s][k] = t
+    for s in reversed(st):
+        for k in range(m):
+            t = max(i_[s] + qI[s][k], (qF[s][k - 1] + f[s]) if k else 0.0)
+            if nxt[s] >= 0:
+                t = max(t, c(s, nxt[s]) + f[nxt[s]] + qF[nxt[s]][k])
+            qF[s][k] = t
+    return qF, qI, qW
 
 
 def _jackson_preemptive(jobs: list[tuple[float, float, float]]) -> float:

@@ -28,15 +28,16 @@ the forward's fill; a single isolated step still has that fill and drain in its 
 
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from .dualpipe import _check_int
+from pdjax.arguments import check_int
+
+from .greedy_run import GreedyRun
 from .layout import Layout
-from .ops import Op, OverlapFB
+from .ops import Op
 from .schedule import Schedule
 
 
@@ -90,180 +91,12 @@ def greedy_schedule(layout: Layout, *, F=1.0, I=1.0, W=1.0, FB=None, comm=0.0, c
     mf, mi, mif = (_stage_array(v, S, n) for v, n in ((mem_F, "mem_F"), (mem_I, "mem_I"),
                                                          (mem_I_free, "mem_I_free")))
     caps = np.broadcast_to(np.asarray(cap, dtype=float), (R,)).tolist()
-    sr, prev, nxt = layout.stage_rank, layout.prev_stage, layout.next_stage
-    mbs = [list(layout.pipeline_of_stage(s).microbatches) for s in range(S)]
-    # deadlock avoidance (banker's rule): an allocation is allowed only if afterwards the
-    # rank's micro-batches, oldest first, can each still allocate all they will need here
-    # (their remaining forwards and input-grads) once the older ones have freed theirs
-    need_total = [sum(mf[q] + mi[q] for q in layout.pipeline_of_stage(s).stages if sr[q] == sr[s])
-                  for s in range(S)]
-    inflight: list[dict] = [{} for _ in range(R)]   # rank -> {mb: [held, remaining]} by age
-    depth = [layout.pipeline_of_stage(s).stages.index(s) for s in range(S)]
-    rank_stages = [sorted(layout.stages_on_rank(r), key=lambda s: -depth[s] if policy.deep_first else depth[s])
-                   for r in range(R)]
-    f_done: dict = {}   # (stage, mb) -> end of its forward
-    g_done: dict = {}   # (stage, mb) -> end of its input-grad backward
-    nf, nb = [0] * S, [0] * S        # next forward / backward index per stage
-    wq: list[list[tuple[int, int]]] = [[] for _ in range(R)]
-    free = [0.0] * R
-    mem = [0.0] * R
-    ops: list[list] = [[] for _ in range(R)]
-    left = [sum(3 * len(mbs[s]) for s in layout.stages_on_rank(r)) for r in range(R)]
-    left_total = sum(left)
-
-    def arrival(stage: int, src: int, table: dict, mb: int):
-        t = table.get((src, mb))
-        if t is None:
-            return None
-        return t + (cm[src] if sr[src] != sr[stage] else 0.0)
-
-    def f_ready(s: int):
-        if nf[s] >= len(mbs[s]):
-            return None
-        mb = mbs[s][nf[s]]
-        return 0.0 if prev[s] < 0 else arrival(s, prev[s], f_done, mb)
-
-    def b_ready(s: int):
-        if nb[s] >= len(mbs[s]):
-            return None
-        mb = mbs[s][nb[s]]
-        t = f_done.get((s, mb))
-        if t is None:
-            return None
-        if nxt[s] >= 0:
-            g = arrival(s, nxt[s], g_done, mb)
-            if g is None:
-                return None
-            t = max(t, g)
-        return t
-
-    binding = [False]   # whether the cap ever refused an op (if not, a larger cap changes nothing)
-
-    def fits(r: int, s: int, mb: int, amount: float) -> bool:
-        if not _fits(r, s, mb, amount):
-            binding[0] = True
-            return False
-        return True
-
-    def _fits(r: int, s: int, mb: int, amount: float) -> bool:
-        entry = inflight[r].get(mb)
-        held, rem = entry if entry is not None else (0.0, need_total[s])
-        running = mem[r] + amount
-        if running > caps[r] + 1e-9:
-            return False
-        for k, (h, q) in inflight[r].items():
-            if k == mb:
-                h, q = held + amount, rem - amount
-            if running + q > caps[r] + 1e-9:
-                return False
-            running -= h
-        if entry is None and running + rem - amount > caps[r] + 1e-9:
-            return False
-        return True
-
-    def take(r: int, s: int, mb: int, alloc: float, freed: float) -> None:
-        entry = inflight[r].setdefault(mb, [0.0, need_total[s]])
-        entry[0] += alloc - freed
-        entry[1] -= alloc
-        mem[r] += alloc - freed
-
-    def choose(r: int):
-        """(start, kind, stage, partner stage) of rank r's next op, or None."""
-        t0 = free[r]
-        cands = []   # (ready time, priority, kind, stage)
-        for s in rank_stages[r]:
-            tf = f_ready(s)
-            if tf is not None and fits(r, s, mbs[s][nf[s]], mf[s]):
-                cands.append((max(tf, t0), 1 if not policy.forward_first else 0, "F", s))
-            tb = b_ready(s)
-            if tb is not None and fits(r, s, mbs[s][nb[s]], mi[s]):
-                cands.append((max(tb, t0), 0 if not policy.forward_first else 1, "I", s))
-        if wq[r]:
-            lag = policy.w_lag
-            urgent = lag is not None and len(wq[r]) > lag
-            cands.append((t0, -1 if urgent else 2, "W", wq[r][0][0]))
-        if not cands:
-            return None
-        start = min(c[0] for c in cands)
-        ready = [c for c in cands if c[0] <= start]
-        best = min(ready, key=lambda c: c[1])   # stable: rank_stages order breaks ties
-        if policy.overlap and best[2] in "FI":
-            fwd = next((c[3] for c in ready if c[2] == "F"), None)
-            bwd = next((c[3] for c in ready if c[2] == "I" and c[3] != fwd), None)
-            if fwd is not None and bwd is not None:
-                return start, "P", fwd, bwd
-        return start, best[2], best[3], -1
-
-    # one cached choice per rank, valid until the rank or a neighbour feeding it commits
-    # an op (its inputs, memory and W queue change only then); heap entries carry the
-    # version of the choice they were made for, and older ones are skipped
-    choice: list = [None] * R
-    version = [0] * R
-    heap: list = []
-
-    def refresh(q: int) -> None:
-        version[q] += 1
-        choice[q] = c = choose(q)
-        if c is not None:
-            heapq.heappush(heap, (c[0], q, version[q]))
-
-    for r in range(R):
-        refresh(r)
-    while left_total:
-        while heap and heap[0][2] != version[heap[0][1]]:
-            heapq.heappop(heap)
-        if not heap:
-            return None
-        _, r, _ = heapq.heappop(heap)
-        start, kind, s, s2 = choice[r]
-        touched = set()
-        if kind == "W":
-            s_w, mb = wq[r].pop(0)
-            end = start + w[s_w]
-            entry = inflight[r][mb]
-            entry[0] -= mf[s_w] + mi[s_w] - mif[s_w]
-            mem[r] -= mf[s_w] + mi[s_w] - mif[s_w]
-            if entry[1] <= 1e-12 and entry[0] <= 1e-9:
-                del inflight[r][mb]
-            ops[r].append(Op("W", s_w, mb))
-            left[r] -= 1
-            left_total -= 1
-        else:
-            if kind == "P":   # an overlapped pair: forward of stage s, input-grad of s2
-                dur = max(fb[s] - w[s2], 0.0)
-                parts = [("F", s), ("I", s2)]
-            else:
-                dur = f[s] if kind == "F" else i_[s]
-                parts = [(kind, s)]
-            end = start + dur
-            made = []
-            for k, st in parts:
-                if k == "F":
-                    mb = mbs[st][nf[st]]
-                    nf[st] += 1
-                    f_done[(st, mb)] = end
-                    take(r, st, mb, mf[st], 0.0)
-                    made.append(Op("F", st, mb))
-                    if nxt[st] >= 0:
-                        touched.add(sr[nxt[st]])
-                else:
-                    mb = mbs[st][nb[st]]
-                    nb[st] += 1
-                    g_done[(st, mb)] = end
-                    take(r, st, mb, mi[st], mif[st])
-                    wq[r].append((st, mb))
-                    made.append(Op("I", st, mb))
-                    if prev[st] >= 0:
-                        touched.add(sr[prev[st]])
-                left[r] -= 1
-                left_total -= 1
-            ops[r].append(made[0] if len(made) == 1 else OverlapFB(made[0], made[1]))
-        free[r] = end
-        touched.add(r)
-        for q in touched:
-            refresh(q)
+    run = GreedyRun(layout, (f, i_, w, fb, cm), (mf, mi, mif), caps, policy)
+    ops = run.run()
+    if ops is None:
+        return None
     return Schedule(name, layout, tuple(tuple(o) for o in ops),
-                    (("policy", policy.label()), ("cap", tuple(caps)), ("cap_binding", binding[0])))
+                    (("policy", policy.label()), ("cap", tuple(caps)), ("cap_binding", run.binding)))
 
 
 def _same_rank_before(layout: Layout, stage: int) -> bool:
@@ -294,8 +127,8 @@ def zbh2(num_ranks: int, num_microbatches: int) -> Schedule:
     """ZB-H2: one stage per rank, backward split into I and W, up to ``2P - 1`` micro-batch
     activations per rank (2x 1F1B's ``P``): more warm-up forwards fill the bubble before
     the first backward and W ops fill the drain."""
-    p = _check_int("num_ranks", num_ranks, 1)
-    m = _check_int("num_microbatches", num_microbatches, 1)
+    p = check_int("num_ranks", num_ranks, 1)
+    m = check_int("num_microbatches", num_microbatches, 1)
     return _named("zbh2", Layout.chain(range(p), m, num_ranks=p), 2 * p - 1)
 
 
@@ -323,8 +156,8 @@ def zbv(num_ranks: int, num_microbatches: int) -> Schedule:
     Peak: ``2P`` stage activations per rank (= ``P`` full stages, 1F1B's). See
     ``tests/pipeline/test_pipeline_zero_bubble.py`` for the claims checked by simulation.
     """
-    p = _check_int("num_ranks", num_ranks, 1)
-    m = _check_int("num_microbatches", num_microbatches, 1)
+    p = check_int("num_ranks", num_ranks, 1)
+    m = check_int("num_microbatches", num_microbatches, 1)
     n = max(m, 2 * p - 1)   # phase counts of a long enough step; ops of mb >= m dropped
     programs = []
     for r in range(p):

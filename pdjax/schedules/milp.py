@@ -36,9 +36,6 @@ def milp_schedule(layout: Layout, costs: dict, *, cap=np.inf, memory: dict | Non
     ``status`` is ``"optimal"``, ``"time limit"`` (``schedule`` the best found, if any) or
     ``"infeasible"``. ``costs``: per-stage arrays ``F, I, W, comm``; ``memory``: per-stage
     arrays ``F, I, I_free`` (default activation units); ``cap``: per rank or scalar."""
-    from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import lil_matrix
-
     S, R = layout.num_stages, layout.num_ranks
     dur = {"F": np.asarray(costs["F"], float), "I": np.asarray(costs["I"], float),
            "W": np.asarray(costs["W"], float)}
@@ -48,31 +45,60 @@ def milp_schedule(layout: Layout, costs: dict, *, cap=np.inf, memory: dict | Non
     mI = np.broadcast_to(np.asarray(mem.get("I", 0.0), float), (S,))
     mIf = np.broadcast_to(np.asarray(mem.get("I_free", 0.0), float), (S,))
     caps = np.broadcast_to(np.asarray(cap, float), (R,))
-    sr, prev, nxt = layout.stage_rank, layout.prev_stage, layout.next_stage
-    ops = []          # (kind, stage, mb)
-    index = {}
-    for s in range(S):
-        for j in layout.pipeline_of_stage(s).microbatches:
-            for k in "FIW":
-                index[(k, s, j)] = len(ops)
-                ops.append((k, s, j))
+    sr = layout.stage_rank
+    ops, index = _enumerate_ops(layout)
     n = len(ops)
     d = np.array([dur[k][s] for k, s, _ in ops])
     big_m = float(d.sum() + comm.sum() * max(layout.num_microbatches, 1) * 2 + 1.0)
     if upper_bound is not None:
         big_m = min(big_m, float(upper_bound) + 1.0)
-    rows: list[tuple[dict, float, float]] = []   # ({var: coef}, lo, hi)
     C = n
+    rows, deps = _precedence_rows(layout, index, dur, comm, d, C)
+    fixed_before = _fixed_order(layout, index)
+    per_rank = [[o for o, (_, s, _) in enumerate(ops) if sr[s] == r] for r in range(R)]
+    pair_var, nv = _order_rows(rows, per_rank, fixed_before, d, big_m, n + 1)
+    if np.isfinite(caps).any():
+        rows.extend(_memory_rows(ops, per_rank, caps, (mF, mI, mIf), fixed_before, pair_var))
+    res = _solve(rows, nv, C, upper_bound, time_limit_s)
+    dual = getattr(res, "mip_dual_bound", None)
+    if res.x is None:
+        return None, "infeasible" if res.status == 2 else "time limit", None, dual
+    order = _op_order(res.x[:n], ops, deps, sr, R)
+    sched = Schedule("milp", layout, tuple(tuple(Op(*ops[o]) for o in row) for row in order))
+    status = "optimal" if res.status == 0 else "time limit"
+    return sched, status, float(res.fun), dual
 
+
+def _enumerate_ops(layout: Layout) -> tuple[list, dict]:
+    """The program's ops ``(kind, stage, mb)`` (variable ``o`` is the start of ``ops[o]``)
+    and their index by op."""
+    ops = []          # (kind, stage, mb)
+    index = {}
+    for s in range(layout.num_stages):
+        for j in layout.pipeline_of_stage(s).microbatches:
+            for k in "FIW":
+                index[(k, s, j)] = len(ops)
+                ops.append((k, s, j))
+    return ops, index
+
+
+def _precedence_rows(layout: Layout, index: dict, dur: dict, comm: np.ndarray, d: np.ndarray,
+                     C: int) -> tuple[list, list]:
+    """Rows ``({var: coef}, lo, hi)`` of the dependencies, the per-stage micro-batch order
+    and the makespan (``C >= x_o + d_o``), op by op; and the dependency pairs ``(a, b)``
+    (``b`` depends on ``a``)."""
+    sr, prev, nxt = layout.stage_rank, layout.prev_stage, layout.next_stage
+    rows: list[tuple[dict, float, float]] = []   # ({var: coef}, lo, hi)
     deps: list[tuple[int, int]] = []   # (a, b): b depends on a
 
     def prec(a: int, b: int, lag: float) -> None:   # x_b >= x_a + lag
         rows.append(({b: 1.0, a: -1.0}, lag, np.inf))
         deps.append((a, b))
 
-    fixed_before = set()   # (a, b): a surely ends before b starts (same rank)
+    def lag_c(a: int, b: int) -> float:
+        return comm[a] if sr[a] != sr[b] else 0.0
+
     for (k, s, j), o in index.items():
-        lag_c = lambda a, b: comm[a] if sr[a] != sr[b] else 0.0  # noqa: E731
         if k == "F" and prev[s] >= 0:
             prec(index[("F", prev[s], j)], o, dur["F"][prev[s]] + lag_c(prev[s], s))
         if k == "I":
@@ -85,9 +111,14 @@ def milp_schedule(layout: Layout, costs: dict, *, cap=np.inf, memory: dict | Non
         if j + 1 in mbs:
             prec(o, index[(k, s, j + 1)], d[o])
         rows.append(({C: 1.0, o: -1.0}, d[o], np.inf))
-    # order facts implied by the chains above (same rank only): transitive closure of
-    # F(s,j) < I(s,j) < W(s,j) and same-kind micro-batch order on a stage
-    for s in range(S):
+    return rows, deps
+
+
+def _fixed_order(layout: Layout, index: dict) -> set:
+    """``(a, b)`` pairs where ``a`` surely ends before ``b`` starts (same rank): the
+    transitive closure of F(s,j) < I(s,j) < W(s,j) and same-kind micro-batch order on a stage."""
+    fixed_before = set()
+    for s in range(layout.num_stages):
         mbs = list(layout.pipeline_of_stage(s).microbatches)
         for a_i, ja in enumerate(mbs):
             for jb in mbs[a_i:]:
@@ -95,11 +126,16 @@ def milp_schedule(layout: Layout, costs: dict, *, cap=np.inf, memory: dict | Non
                     if ka == kb and ja == jb:
                         continue
                     fixed_before.add((index[(ka, s, ja)], index[(kb, s, jb)]))
-    per_rank = [[o for o, (_, s, _) in enumerate(ops) if sr[s] == r] for r in range(R)]
+    return fixed_before
+
+
+def _order_rows(rows: list, per_rank: list, fixed_before: set, d: np.ndarray, big_m: float,
+                nv: int) -> tuple[dict, int]:
+    """Append to ``rows`` the big-M disjunctions of every same-rank pair whose order is
+    open, each with a new binary (numbered from ``nv``); returns ``({(a, b): binary}, the
+    variable count)``."""
     pair_var = {}
-    nv = n + 1
-    for r in range(R):
-        lst = per_rank[r]
+    for lst in per_rank:
         for x, a in enumerate(lst):
             for b in lst[x + 1:]:
                 if (a, b) in fixed_before or (b, a) in fixed_before:
@@ -110,6 +146,14 @@ def milp_schedule(layout: Layout, costs: dict, *, cap=np.inf, memory: dict | Non
                 # y = 1: a first; y = 0: b first
                 rows.append(({b: 1.0, a: -1.0, y: -big_m}, d[a] - big_m, np.inf))
                 rows.append(({a: 1.0, b: -1.0, y: big_m}, d[b], np.inf))
+    return pair_var, nv
+
+
+def _memory_rows(ops: list, per_rank: list, caps: np.ndarray, memory: tuple, fixed_before: set,
+                 pair_var: dict) -> list:
+    """Rows of the memory cap of each rank with a finite one, at the start of every
+    allocating op (``memory``: per-stage ``(F, I, I_free)`` amounts)."""
+    mF, mI, mIf = memory
 
     def before(a: int, b: int):
         """(constant, {var: coef}): 1 when a runs before b on their rank."""
@@ -129,26 +173,35 @@ def milp_schedule(layout: Layout, costs: dict, *, cap=np.inf, memory: dict | Non
         k, s, _ = ops[o]
         return mIf[s] if k == "I" else (mF[s] + mI[s] - mIf[s] if k == "W" else 0.0)
 
-    if np.isfinite(caps).any():
-        for r in range(R):
-            if not np.isfinite(caps[r]):
+    rows = []
+    for r in range(len(per_rank)):
+        if not np.isfinite(caps[r]):
+            continue
+        for o in per_rank[r]:
+            if alloc(o) <= 0:
                 continue
-            for o in per_rank[r]:
-                if alloc(o) <= 0:
+            coef: dict = {}
+            const = alloc(o)
+            for a in per_rank[r]:
+                if a == o:
                     continue
-                coef: dict = {}
-                const = alloc(o)
-                for a in per_rank[r]:
-                    if a == o:
-                        continue
-                    amount = alloc(a) - free(a)
-                    if amount == 0:
-                        continue
-                    c0, terms = before(a, o)
-                    const += amount * c0
-                    for v, cf in terms.items():
-                        coef[v] = coef.get(v, 0.0) + amount * cf
-                rows.append((coef, -np.inf, caps[r] - const))
+                amount = alloc(a) - free(a)
+                if amount == 0:
+                    continue
+                c0, terms = before(a, o)
+                const += amount * c0
+                for v, cf in terms.items():
+                    coef[v] = coef.get(v, 0.0) + amount * cf
+            rows.append((coef, -np.inf, caps[r] - const))
+    return rows
+
+
+def _solve(rows: list, nv: int, C: int, upper_bound: float | None, time_limit_s: float):
+    """Minimise the makespan ``C`` subject to ``rows`` (the variables after ``C`` binary)
+    with scipy's HiGHS; returns its result."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import lil_matrix
+
     A = lil_matrix((len(rows), nv))
     lo = np.empty(len(rows))
     hi = np.empty(len(rows))
@@ -157,23 +210,16 @@ def milp_schedule(layout: Layout, costs: dict, *, cap=np.inf, memory: dict | Non
             A[i, v] = cf
         lo[i], hi[i] = a, b
     ub = np.full(nv, np.inf)
-    ub[n + 1:] = 1.0
+    ub[C + 1:] = 1.0
     if upper_bound is not None:
         ub[C] = float(upper_bound) + 1e-9
     integrality = np.zeros(nv)
-    integrality[n + 1:] = 1
+    integrality[C + 1:] = 1
     obj = np.zeros(nv)
     obj[C] = 1.0
-    res = milp(obj, constraints=LinearConstraint(A.tocsr(), lo, hi), integrality=integrality,
-               bounds=Bounds(np.zeros(nv), ub),
-               options={"time_limit": float(time_limit_s), "disp": False, "mip_rel_gap": 1e-9})
-    dual = getattr(res, "mip_dual_bound", None)
-    if res.x is None:
-        return None, "infeasible" if res.status == 2 else "time limit", None, dual
-    order = _op_order(res.x[:n], ops, deps, sr, R)
-    sched = Schedule("milp", layout, tuple(tuple(Op(*ops[o]) for o in row) for row in order))
-    status = "optimal" if res.status == 0 else "time limit"
-    return sched, status, float(res.fun), dual
+    return milp(obj, constraints=LinearConstraint(A.tocsr(), lo, hi), integrality=integrality,
+                bounds=Bounds(np.zeros(nv), ub),
+                options={"time_limit": float(time_limit_s), "disp": False, "mip_rel_gap": 1e-9})
 
 
 def _op_order(x: np.ndarray, ops: list, deps: list, stage_rank, num_ranks: int) -> list[list[int]]:

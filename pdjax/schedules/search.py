@@ -39,8 +39,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pdjax.arguments import check_int
+
 from .bound import lower_bound as _layout_bound
-from .dualpipe import _check_int
 from .generators import GENERATORS
 from .greedy import Policy, greedy_schedule
 from .layout import Layout
@@ -125,14 +126,50 @@ def search(num_ranks: int, num_microbatches: int, F=1.0, B=2.0, W=1.0, comm=0.0,
     """Search schedules (see module docstring). Raises ValueError naming the problem
     (sizes, negative or non-finite times, ``W > B``, an unknown family, a budget below
     one micro-batch's activations) before any compute."""
-    p = _check_int("num_ranks", num_ranks, 1)
-    m = _check_int("num_microbatches", num_microbatches, 1)
+    p = check_int("num_ranks", num_ranks, 1)
+    m = check_int("num_microbatches", num_microbatches, 1)
     fams = tuple(families)
     unknown = [f for f in fams if f not in FAMILIES]
     if not fams or unknown:
         raise ValueError(f"families must be a non-empty subset of {FAMILIES}, got {families!r}")
     if not (isinstance(time_limit_s, (int, float)) and time_limit_s > 0):
         raise ValueError(f"time_limit_s must be > 0, got {time_limit_s!r}")
+    per_rank_costs, per_rank_mem = _per_rank_inputs(p, F, B, W, comm, I, FB, memory)
+    one_mb = float(np.max(per_rank_mem["F"] + per_rank_mem["I"]))
+    budget = _budget(memory_budget, one_mb)
+    layouts = _layouts(p, m, fams)
+    deadline = time.monotonic() + float(time_limit_s)
+    candidates: list[Candidate] = []
+    rejected: list[tuple[str, str]] = []
+    bounds, greedy_jobs = _hand_written_pool(layouts, p, m, per_rank_costs, per_rank_mem, candidates, rejected)
+    complete = _greedy_pool(greedy_jobs, p, one_mb, per_rank_costs, deadline, candidates, rejected)
+    if not candidates:
+        raise ValueError(f"no family in {fams} supports num_ranks={p}, num_microbatches={m}")
+    fitting = [cd for cd in candidates if cd.peak_memory <= budget + 1e-9]
+    if not fitting:
+        raise ValueError(f"no schedule found within memory_budget={memory_budget!r} "
+                         f"(least peak found: {min(cd.peak_memory for cd in candidates):g})")
+    best = pool_best = min(fitting, key=lambda cd: (cd.makespan, cd.peak_memory))
+    milp_info = None
+    left = deadline - time.monotonic()
+    if "zb" in layouts and p * m <= milp_max_ops:
+        milp_info, cd = _milp_candidate(layouts["zb"], per_rank_costs, per_rank_mem, fitting, budget, left,
+                                        candidates, rejected)
+        if cd is not None and cd.peak_memory <= budget + 1e-9 and cd.makespan < best.makespan - 1e-9:
+            best = cd
+    layout = best.schedule.layout
+    fam = best.family
+    sc = _stage_view(layout, fam, per_rank_costs)
+    smem = _stage_view(layout, fam, per_rank_mem)
+    timeline = simulate(best.schedule, F=sc["F"], B=sc["I"] + sc["W"], W=sc["W"], I=sc["I"], FB=sc["FB"],
+                        comm=sc["comm"], memory={k: smem[k] for k in ("F", "I", "I_free")})
+    return SearchResult(best.schedule, timeline, float(min(bounds)), pareto(candidates), candidates,
+                        milp_info, best.label, complete, pool_best.makespan, rejected)
+
+
+def _per_rank_inputs(p: int, F, B, W, comm, I, FB, memory) -> tuple[dict, dict]:
+    """The checked per-rank costs ``{F, I, W, FB, comm}`` and memory ``{F, I, I_free}`` of
+    :func:`search`'s arguments (``I = B - W`` and ``FB = F + I + W`` unless given)."""
     f, b, w, c = (_per_rank(n, v, p) for n, v in (("F", F), ("B", B), ("W", W), ("comm", comm)))
     if I is None:
         over = np.flatnonzero(w > b)
@@ -149,42 +186,57 @@ def search(num_ranks: int, num_microbatches: int, F=1.0, B=2.0, W=1.0, comm=0.0,
     mf, mi, mif = (_per_rank(f"memory[{k!r}]", mem.get(k, dv), p) for k, dv in (("F", 1.0), ("I", 0.0), ("I_free", 0.0)))
     if np.any(mif > mf):
         raise ValueError("memory['I_free'] must not exceed memory['F']")
-    one_mb = float(np.max(mf + mi))
+    return {"F": f, "I": i_, "W": w, "FB": fb, "comm": c}, {"F": mf, "I": mi, "I_free": mif}
+
+
+def _budget(memory_budget, one_mb: float) -> float:
+    """The per-rank memory budget (inf when None); ValueError below one micro-batch's
+    activations ``one_mb``."""
     if memory_budget is None:
-        budget = math.inf
-    else:
-        budget = float(memory_budget)
-        if not budget >= one_mb:
-            raise ValueError(f"memory_budget ({memory_budget!r}) is below one micro-batch's activations "
-                             f"({one_mb:g} per rank): no schedule fits")
-    per_rank_costs = {"F": f, "I": i_, "W": w, "FB": fb, "comm": c}
-    per_rank_mem = {"F": mf, "I": mi, "I_free": mif}
-    layouts = _layouts(p, m, fams)
-    deadline = time.monotonic() + float(time_limit_s)
-    candidates: list[Candidate] = []
-    rejected: list[tuple[str, str]] = []
+        return math.inf
+    budget = float(memory_budget)
+    if not budget >= one_mb:
+        raise ValueError(f"memory_budget ({memory_budget!r}) is below one micro-batch's activations "
+                         f"({one_mb:g} per rank): no schedule fits")
+    return budget
+
+
+def _hand_written_pool(layouts: dict, p: int, m: int, per_rank_costs: dict, per_rank_mem: dict,
+                       candidates: list, rejected: list) -> tuple[list, list]:
+    """Add every family's hand-written schedules to ``candidates`` (cheap: linear in the
+    ops, always in the pool). Returns the families' lower bounds and the greedy jobs
+    ``(family, layout, stage costs, stage memory, simulate kwargs)``."""
     bounds = []
-    greedy_jobs = []   # (family, layout, stage costs, stage memory, simulate kwargs)
+    greedy_jobs = []
     for fam, layout in layouts.items():
         sc = _stage_view(layout, fam, per_rank_costs)
         smem = _stage_view(layout, fam, per_rank_mem)
         sim_kw = dict(F=sc["F"], B=sc["I"] + sc["W"], W=sc["W"], I=sc["I"], FB=sc["FB"], comm=sc["comm"],
                       memory={k: smem[k] for k in ("F", "I", "I_free")})
         bounds.append(_layout_bound(layout, sc))
-        for name in _HAND[fam]:   # cheap (linear in the ops): always in the pool
+        for name in _HAND[fam]:
             try:
                 _add(candidates, rejected, fam, name, GENERATORS[name](p, m), sim_kw)
             except ValueError:
                 pass   # a size the hand-written schedule does not support
         greedy_jobs.append((fam, layout, sc, smem, sim_kw))
+    return bounds, greedy_jobs
+
+
+def _greedy_pool(greedy_jobs: list, p: int, one_mb: float, per_rank_costs: dict, deadline: float,
+                 candidates: list, rejected: list) -> bool:
+    """Run the greedy scheduler over its policies and caps for every job, adding each
+    schedule to ``candidates``, until ``deadline``; returns whether the whole pool ran."""
+    c = per_rank_costs
     complete = True
     for fam, layout, sc, smem, sim_kw in greedy_jobs:
         per_mb = float(np.max([sum(smem["F"][q] + smem["I"][q] for q in layout.stages_on_rank(r))
                                for r in range(p)]))
         # caps on a grid of whole micro-batch activations, independent of the budget
         caps = sorted({per_mb, math.inf} | {k * one_mb for k in range(1, 2 * p + 2) if k * one_mb >= per_mb})
+        pairs = fam == "dualpipe" and np.any(c["FB"] < c["F"] + c["I"] + c["W"])
         policies = [Policy(ff, lag, True, ov) for ff in (False, True) for lag in (None, 0, 1)
-                    for ov in ((False, True) if fam == "dualpipe" and np.any(fb < f + i_ + w) else (False,))]
+                    for ov in ((False, True) if pairs else (False,))]
         for pol in policies:
             for cap in caps:
                 if time.monotonic() > deadline:
@@ -196,41 +248,29 @@ def search(num_ranks: int, num_microbatches: int, F=1.0, B=2.0, W=1.0, comm=0.0,
                 _add(candidates, rejected, fam, f"greedy {pol.label()} cap {cap:g}", sched, sim_kw)
                 if sched is not None and not sched.option("cap_binding"):
                     break   # the cap refused nothing: every larger cap builds this schedule
-    if not candidates:
-        raise ValueError(f"no family in {fams} supports num_ranks={p}, num_microbatches={m}")
-    fitting = [cd for cd in candidates if cd.peak_memory <= budget + 1e-9]
-    if not fitting:
-        raise ValueError(f"no schedule found within memory_budget={memory_budget!r} "
-                         f"(least peak found: {min(cd.peak_memory for cd in candidates):g})")
-    best = pool_best = min(fitting, key=lambda cd: (cd.makespan, cd.peak_memory))
-    milp_info = None
-    left = deadline - time.monotonic()
-    if "zb" in layouts and p * m <= milp_max_ops and left <= 0:
-        milp_info = {"status": "skipped (time limit)", "objective": None, "dual_bound": None}
-    elif "zb" in layouts and p * m <= milp_max_ops:
-        from .milp import milp_schedule
+    return complete
 
-        layout = layouts["zb"]
-        sc = _stage_view(layout, "zb", per_rank_costs)
-        incumbent = min((cd.makespan for cd in fitting if cd.family == "zb"), default=None)
-        sched, status, obj, dual = milp_schedule(layout, sc, cap=budget, memory=per_rank_mem,
-                                                 upper_bound=incumbent, time_limit_s=left)
-        if status == "infeasible" and incumbent is not None:
-            # nothing beats the incumbent: the best greedy one-stage-per-rank schedule is optimal
-            status, obj, dual = "optimal (greedy)", incumbent, incumbent
-        milp_info = {"status": status, "objective": obj, "dual_bound": dual}
-        cd = _add(candidates, rejected, "zb", f"milp ({status})", sched,
-                  dict(F=sc["F"], B=sc["I"] + sc["W"], W=sc["W"], I=sc["I"], comm=sc["comm"], memory=per_rank_mem))
-        if cd is not None and cd.peak_memory <= budget + 1e-9 and cd.makespan < best.makespan - 1e-9:
-            best = cd
-    layout = best.schedule.layout
-    fam = best.family
-    sc = _stage_view(layout, fam, per_rank_costs)
-    smem = _stage_view(layout, fam, per_rank_mem)
-    timeline = simulate(best.schedule, F=sc["F"], B=sc["I"] + sc["W"], W=sc["W"], I=sc["I"], FB=sc["FB"],
-                        comm=sc["comm"], memory={k: smem[k] for k in ("F", "I", "I_free")})
-    return SearchResult(best.schedule, timeline, float(min(bounds)), pareto(candidates), candidates,
-                        milp_info, best.label, complete, pool_best.makespan, rejected)
+
+def _milp_candidate(layout: Layout, per_rank_costs: dict, per_rank_mem: dict, fitting: list, budget: float,
+                    left: float, candidates: list, rejected: list) -> tuple[dict, Candidate | None]:
+    """The exact program on the one-stage-per-rank ``layout`` within the ``left`` seconds,
+    started from the best fitting greedy makespan; returns its ``{status, objective,
+    dual_bound}`` and its candidate (added to ``candidates``; None when none)."""
+    if left <= 0:
+        return {"status": "skipped (time limit)", "objective": None, "dual_bound": None}, None
+    from .milp import milp_schedule
+
+    sc = _stage_view(layout, "zb", per_rank_costs)
+    incumbent = min((cd.makespan for cd in fitting if cd.family == "zb"), default=None)
+    sched, status, obj, dual = milp_schedule(layout, sc, cap=budget, memory=per_rank_mem,
+                                             upper_bound=incumbent, time_limit_s=left)
+    if status == "infeasible" and incumbent is not None:
+        # nothing beats the incumbent: the best greedy one-stage-per-rank schedule is optimal
+        status, obj, dual = "optimal (greedy)", incumbent, incumbent
+    milp_info = {"status": status, "objective": obj, "dual_bound": dual}
+    cd = _add(candidates, rejected, "zb", f"milp ({status})", sched,
+              dict(F=sc["F"], B=sc["I"] + sc["W"], W=sc["W"], I=sc["I"], comm=sc["comm"], memory=per_rank_mem))
+    return milp_info, cd
 
 
 def _add(candidates: list, rejected: list, fam: str, label: str, s: Schedule | None,

@@ -10,7 +10,7 @@
 Modules (one concept each): ``cost`` (the cost-model protocol, LinearStepCost),
 ``workload`` / ``trace`` (requests), ``prefix_cache`` (hash-chain LRU with TTL),
 ``policies`` (balancers, chunk sizing), ``instances`` / ``colocated`` / ``afd`` (step planning),
-``deployment`` (specs), ``controller`` (dynamic P:D), ``engine`` (the event loop),
+``deployment`` (specs), ``controller`` (dynamic P:D), ``simulator`` (the event loop), ``result``,
 ``metrics``, ``search`` (sweeps and SLO binary search); the experiments built on them:
 ``pdjax.experiments.serving``.
 Pure Python + numpy (matplotlib for plots); no jax. See docs/sim.md.
@@ -20,7 +20,8 @@ from pdjax.sim.afd import AFDStepModel, afd_layer_cycle, exchange_hidden
 from pdjax.sim.controller import ControllerConfig, PDController
 from pdjax.sim.cost import AFDCostModel, FittedStepCost, LinearStepCost, StepCostModel, check_cost_model
 from pdjax.sim.deployment import AFDisaggregated, Colocated, PDDisaggregated
-from pdjax.sim.engine import SimResult, Simulator, simulate
+from pdjax.sim.result import SimResult
+from pdjax.sim.simulator import Simulator, simulate
 from pdjax.sim.metrics import SLO, percentiles, summarize
 from pdjax.sim.policies import (DEFAULT_BUCKET_EDGES, chunk_for_budget, length_bucket,
                                 pick_by_quota, pick_decode)

@@ -40,8 +40,8 @@ import math
 from typing import Callable, Optional, Protocol, Sequence, runtime_checkable
 
 from pdjax.analysis.afd import afd_exchange_bytes
-from pdjax.analysis import (attention_flops_per_token, hardware, kv_bytes_per_token,
-                            param_counts)
+from pdjax.analysis import hardware, kv_bytes_per_token, param_counts
+from pdjax.analysis.roofline import attention_flops_per_token
 from pdjax.analysis.hardware import normalise_dtype
 from pdjax.analysis.kv import free_memory_bytes
 
@@ -224,11 +224,7 @@ class LinearStepCost:
         dtype = normalise_dtype(dtype)
         p = dtype_bytes if dtype_bytes is not None else (1 if dtype == "fp8" else 2)
         kvp = kv_dtype_bytes if kv_dtype_bytes is not None else p
-        if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
-            raise ValueError(f"ep_size must be a positive integer, got {ep_size!r}")
-        for name, v in (("mfu", mfu), ("mbu", mbu)):
-            if not (0 < v <= 1):
-                raise ValueError(f"{name} must lie in (0, 1], got {v!r}")
+        _check_roofline_scales(ep_size, mfu, mbu)
         peak = ep_size * hw.peak_flops(dtype) * mfu
         bw = ep_size * hw.require("hbm_bw", "the linear step-cost model") * mbu
         counts = param_counts(cfg)
@@ -240,13 +236,7 @@ class LinearStepCost:
         kv_b = kv_bytes_per_token(cfg, dtype_bytes=kvp, attention="mla")
         pair_flops = attention_flops_per_token(cfg, 1) * cfg.num_hidden_layers
         c2 = pair_flops / peak
-        capacity = capacity_attn = None
-        if hw.hbm_bytes is not None:
-            hbm = ep_size * hw.hbm_bytes
-            if hbm > counts.total * p:
-                capacity = free_memory_bytes(hbm, counts.total * p) / kv_b
-            if hbm > attn_resident * p:
-                capacity_attn = free_memory_bytes(hbm, attn_resident * p) / kv_b
+        capacity, capacity_attn = _kv_capacities(hw, ep_size, counts.total * p, attn_resident * p, kv_b)
         return cls(
             c0=(attn_read + ffn_total) * p / bw, c1=2 * counts.active / peak, c2=c2, c3=c2 / 2,
             c4=kv_b / bw, a0=attn_read * p / bw, a1=2 * attn_active / peak,
@@ -256,6 +246,32 @@ class LinearStepCost:
             kv_capacity=capacity, kv_capacity_attention=capacity_attn, cfg=cfg,
             note=f"roofline of {cfg.model_type} on {ep_size} x {hw.name} {dtype}, "
                  f"mfu={mfu:g}, mbu={mbu:g}")
+
+
+def _check_roofline_scales(ep_size, mfu, mbu) -> None:
+    """The scale arguments of :meth:`LinearStepCost.from_roofline`: ``ep_size`` a positive
+    integer, ``mfu`` and ``mbu`` in (0, 1]; ValueError naming the first that is not."""
+    if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
+        raise ValueError(f"ep_size must be a positive integer, got {ep_size!r}")
+    for name, v in (("mfu", mfu), ("mbu", mbu)):
+        if not (0 < v <= 1):
+            raise ValueError(f"{name} must lie in (0, 1], got {v!r}")
+
+
+def _kv_capacities(hw, ep_size: int, weight_bytes: float, attn_weight_bytes: float,
+                   kv_b: float) -> tuple[Optional[float], Optional[float]]:
+    """KV tokens that ``ep_size`` accelerators ``hw`` hold after all the weights
+    (``weight_bytes``) and after the attention-side weights only (``attn_weight_bytes``),
+    at ``kv_b`` bytes per token; each None when the weights do not fit or the hardware
+    publishes no HBM size."""
+    capacity = capacity_attn = None
+    if hw.hbm_bytes is not None:
+        hbm = ep_size * hw.hbm_bytes
+        if hbm > weight_bytes:
+            capacity = free_memory_bytes(hbm, weight_bytes) / kv_b
+        if hbm > attn_weight_bytes:
+            capacity_attn = free_memory_bytes(hbm, attn_weight_bytes) / kv_b
+    return capacity, capacity_attn
 
 
 @dataclasses.dataclass(frozen=True)

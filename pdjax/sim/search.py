@@ -14,7 +14,7 @@ import math
 from typing import Callable, Iterable, Optional
 
 from pdjax.sim.deployment import AFDisaggregated, PDDisaggregated
-from pdjax.sim.engine import simulate
+from pdjax.sim.simulator import simulate
 from pdjax.sim.metrics import SLO
 from pdjax.sim.workload import WorkloadSpec, check_rate, generate
 

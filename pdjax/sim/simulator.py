@@ -1,4 +1,5 @@
-"""The discrete-event serving simulator.
+"""The discrete-event serving simulator: the event loop and the request lifecycle
+(:class:`Simulator`, :func:`simulate`); what a run returns is in :mod:`pdjax.sim.result`.
 
 Events (a heap ordered by time, then by insertion order, so runs are deterministic):
 request arrival, instance step done, KV transfer done, controller tick.
@@ -19,59 +20,24 @@ instance's KV capacity, waited longer than ``max_wait`` for a slot, or unfinishe
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Optional, Sequence
 
 import numpy as np
 
 from pdjax.sim.afd import AFDStepModel
+from pdjax.sim.colocated import ColocatedInstance
 from pdjax.sim.controller import PDController
 from pdjax.sim.cost import check_cost_model, num_layers_of
-from pdjax.sim.colocated import ColocatedInstance
 from pdjax.sim.instances import DecodeInstance, PrefillInstance
-from pdjax.sim.metrics import SLO, summarize
+from pdjax.sim.metrics import SLO
 from pdjax.sim.policies import length_bucket, pick_by_quota, pick_decode
-from collections import OrderedDict
-
 from pdjax.sim.prefix_cache import PrefixCache, extend_chain
+from pdjax.sim.result import SimResult, collect_result
 
 ARRIVAL, STEP, KV_READY, CONTROL = 0, 1, 2, 3
-
-
-@dataclasses.dataclass
-class SimResult:
-    """One simulation: ``summary`` (metrics, see :func:`pdjax.sim.summarize`), the finished
-    ``requests``, the controller's ``actions`` and the number of ``events`` processed."""
-
-    summary: dict
-    requests: list
-    actions: list
-    events: int
-
-    def table(self) -> list[tuple[str, str]]:
-        """``(metric, value)`` rows of the summary's scalar metrics, formatted."""
-        rows = []
-        for key, value in self.summary.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            rows.append((key, f"{value:,}" if isinstance(value, int) else f"{value:.4g}"))
-        if "events" not in self.summary:
-            rows.append(("events", f"{self.events:,}"))
-        return rows
-
-    def __str__(self) -> str:
-        width = max((len(k) for k, _ in self.table()), default=0)
-        return "\n".join(f"{k:<{width}}  {v}" for k, v in self.table())
-
-    def _repr_html_(self) -> str:
-        import html
-
-        cells = "".join(f"<tr><td>{html.escape(k)}</td><td style='text-align:right'>{html.escape(v)}</td></tr>"
-                        for k, v in self.table())
-        return f"<table><tr><th>metric</th><th>value</th></tr>{cells}</table>"
 
 
 class Simulator:
@@ -244,7 +210,7 @@ class Simulator:
             if req.status is None:
                 self.reject(req, t, "not finished by the simulation horizon" if self.horizon
                             else "stranded (simulator bug)")
-        return self._result()
+        return collect_result(self)
 
     # ---- request lifecycle ----------------------------------------------------------
     def reject(self, req, t: float, reason: str) -> None:
@@ -391,35 +357,6 @@ class Simulator:
             self.controller.on_finish((t - req.t_first) / (req.output_len - 1))
         if self.mode != "colocated":
             self.retry_pending(t)
-
-    # ---- results ----------------------------------------------------------------------
-    def _result(self) -> SimResult:
-        fin = sum(1 for r in self.requests if r.status == "finished")
-        rej = sum(1 for r in self.requests if r.status == "rejected")
-        assert fin + rej == len(self.requests) and self.outstanding == 0, \
-            f"request accounting broken: {len(self.requests)} total, {fin} finished, {rej} rejected"
-        t_end = max((r.t_finish for r in self.requests if r.status == "finished"), default=0.0)
-        pools = {}
-        groups = {"colocated": self.colo} if self.mode == "colocated" else {
-            "prefill": self.all_prefill, "decode": self.all_decode}
-        for name, insts in groups.items():
-            pools[name] = (sum(i.busy_time for i in insts), sum(i.alive_time(t_end) for i in insts),
-                           sum(1 for i in insts if math.isnan(i.t_retired)))
-        extra = {"events": self.events, "deployment": self.mode,
-                 "instances_total": self.dep.num_instances_total}
-        if self.cache is not None:
-            extra.update(cache_blocks=len(self.cache), cache_evicted=self.cache.evicted,
-                         cache_expired=self.cache.expired)
-        if self.controller is not None:
-            extra.update(controller_moves=sum(1 for a in self.controller.actions if "is now" in a[1]),
-                         controller_holds=self.controller.exhausted_ticks)
-        links = self.all_prefill
-        s = summarize(self.requests, self.slo, pools=pools, itl=(self.itl_v, self.itl_w),
-                      transfer_bytes=sum(p.bytes_sent for p in links),
-                      link_busy=sum(p.link_busy for p in links),
-                      num_links=len(self.prefill) if links else 0, extra=extra)
-        return SimResult(s, self.requests, list(self.controller.actions) if self.controller else [],
-                         self.events)
 
 
 def simulate(deployment, cost, requests, **kwargs) -> SimResult:
