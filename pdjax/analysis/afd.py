@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from pdjax.analysis.units import check_nonnegative, check_positive, check_positive_int
+from pdjax.arguments import check_int, check_nonnegative, check_positive
 
 
 def afd_min_microbatches(comm_time: float, ffn_time: float) -> float:
@@ -45,7 +45,7 @@ def dbo_hides_ffn(attn_time_ub2: float, ffn_time_ub1: float, comm_time: float) -
 
 def attention_share(num_attention: int, num_ffn: int) -> float:
     """M / (M + N): the per-accelerator discount for the N extra FFN accelerators."""
-    m = check_positive_int("num_attention", num_attention)
+    m = check_int("num_attention", num_attention)
     if isinstance(num_ffn, bool) or not isinstance(num_ffn, int) or num_ffn < 0:
         raise ValueError(f"num_ffn must be an integer >= 0, got {num_ffn!r}")
     return m / (m + num_ffn)
@@ -69,8 +69,8 @@ def afd_speedup(batch_gain: float, step_time_gain: float, attention_share: float
 def afd_exchange_bytes(hidden_size: int, experts_per_token: int, num_ffn: int, act_bytes: float = 2) -> float:
     """One-way bytes per token per layer of the attention -> FFN exchange: the hidden state
     (``act_bytes`` per element) goes to the min(top-k, N) FFN instances holding its experts."""
-    check_positive_int("hidden_size", hidden_size)
-    check_positive_int("experts_per_token", experts_per_token)
-    check_positive_int("num_ffn", num_ffn)
+    check_int("hidden_size", hidden_size)
+    check_int("experts_per_token", experts_per_token)
+    check_int("num_ffn", num_ffn)
     check_positive("act_bytes", act_bytes)
     return hidden_size * act_bytes * min(experts_per_token, num_ffn)

@@ -10,7 +10,7 @@ ZB1P / DualPipe / DualPipeV, whose simulator is the reference); this module tabu
 
 from __future__ import annotations
 
-from pdjax.schedules.formulas import bubble_ratio_1f1b, min_microbatches_1f1b
+from pdjax.schedules.formulas import bubble_ratio_1f1b, min_microbatches_1f1b  # noqa: F401 (re-exported)
 
 
 def bubble_table(num_stages: int, microbatches) -> dict:

@@ -35,7 +35,6 @@ go (all factors default to 1.0, the ideal roofline).
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from typing import Optional, Sequence
 
 from pdjax.analysis.afd import afd_exchange_bytes
@@ -43,8 +42,7 @@ from pdjax.analysis.hardware import HardwareLike, hardware
 from pdjax.analysis.kv import kv_bytes_per_token as _kv_bytes_per_token, kv_handoff_time
 from pdjax.param_counts import param_counts
 from pdjax.analysis.roofline import attention_flops_per_token
-from pdjax.analysis.units import (check_fraction, check_nonnegative, check_positive,
-                                  check_positive_int)
+from pdjax.arguments import check_fraction, check_int, check_nonnegative, check_positive
 from pdjax.config import ModelConfig
 
 A2A_LINKS = ("auto", "scale_up", "scale_out")
@@ -117,18 +115,12 @@ class OpCost:
 def expected_distinct_experts(num_experts: int, top_k: int, num_tokens: float) -> float:
     """Mean number of distinct experts T tokens touch when each picks ``top_k`` of
     ``num_experts`` uniformly: E (1 - (1 - k/E)^T); k at T = 1, -> E as T grows."""
-    check_positive_int("num_experts", num_experts)
-    check_positive_int("top_k", top_k)
+    check_int("num_experts", num_experts)
+    check_int("top_k", top_k)
     check_nonnegative("num_tokens", num_tokens)
     if top_k > num_experts:
         raise ValueError(f"top_k={top_k} exceeds num_experts={num_experts}")
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
-
-
-def _check_int(name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    return int(value)
 
 
 class RooflineCostModel:
@@ -151,7 +143,7 @@ class RooflineCostModel:
         if dtype_bytes not in (1, 2) or isinstance(dtype_bytes, bool):
             raise ValueError(f"dtype_bytes must be 1 (fp8) or 2 (bf16), got {dtype_bytes!r}")
         self.dtype_bytes = int(dtype_bytes)
-        self.ep_size = check_positive_int("ep_size", ep_size)
+        self.ep_size = check_int("ep_size", ep_size)
         self.efficiency = Efficiency() if efficiency is None else efficiency
         if not isinstance(self.efficiency, Efficiency):
             raise TypeError(f"efficiency must be an Efficiency, got {type(efficiency).__name__}")
@@ -202,7 +194,7 @@ class RooflineCostModel:
     def kv_transfer_time(self, num_tokens: int, link_bw: float) -> float:
         """Seconds to move ``num_tokens`` tokens of KV over a ``link_bw`` bytes/s link
         (times the network efficiency): tokens * kv_bytes_per_token / bw."""
-        num_tokens = _check_int("num_tokens", num_tokens, 0)
+        num_tokens = check_int("num_tokens", num_tokens, 0)
         check_positive("link_bw", link_bw)
         if num_tokens == 0:
             return 0.0
@@ -219,7 +211,7 @@ class RooflineCostModel:
     def decode_ffn_time(self, num_tokens: int) -> float:
         """AF disaggregation, FFN side: dense MLPs, MoE experts and (ep > 1) the expert
         all-to-all for ``num_tokens`` decode tokens."""
-        T = _check_int("num_tokens", num_tokens, 0)
+        T = check_int("num_tokens", num_tokens, 0)
         if T == 0:
             return 0.0
         ops = [self._dense_mlp(T)] if self.num_dense_layers else []
@@ -239,7 +231,7 @@ class RooflineCostModel:
         else:
             if isinstance(kv_lens, (str, bytes)) or not hasattr(kv_lens, "__iter__"):
                 raise ValueError(f"kv_lens must be a list of ints, got {kv_lens!r}")
-            reqs = [(1, _check_int(f"kv_lens[{i}]", s, 0)) for i, s in enumerate(kv_lens)]
+            reqs = [(1, check_int(f"kv_lens[{i}]", s, 0)) for i, s in enumerate(kv_lens)]
             decode = True
         if not reqs:
             return {}
@@ -262,7 +254,7 @@ class RooflineCostModel:
         """Weight bytes a step of ``num_tokens`` tokens reads on the whole instance (all ep
         ranks together, counting replicated weights once). At one token this is the active
         parameter count times ``dtype_bytes``."""
-        T = _check_int("num_tokens", num_tokens, 1)
+        T = check_int("num_tokens", num_tokens, 1)
         E, k = self.cfg.n_routed_experts, self.cfg.num_experts_per_tok
         experts = expected_distinct_experts(E, k, T) if self.num_moe_layers else 0.0
         elements = (self._counts.attention + self._counts.dense_mlp + self._counts.shared_experts
@@ -357,7 +349,7 @@ class RooflineCostModel:
                 q, c = item
             except (TypeError, ValueError):
                 raise ValueError(f"chunks[{i}] must be a (q, c) pair, got {item!r}") from None
-            out.append((_check_int(f"chunks[{i}] q", q, 1), _check_int(f"chunks[{i}] c", c, 0)))
+            out.append((check_int(f"chunks[{i}] q", q, 1), check_int(f"chunks[{i}] c", c, 0)))
         return out
 
     def __repr__(self) -> str:

@@ -25,12 +25,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import numbers
 from typing import Optional, Sequence
 
 import numpy as np
 
-from pdjax.analysis.units import check_positive
+from pdjax.arguments import check_int, check_positive
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,11 +62,11 @@ class PrefillCostFit:
         Closed form (positive root of a q^2 + (b c + g) q + d - budget = 0), then checked
         and adjusted by whole tokens so that cost(q) <= budget < cost(q + 1). A cost that
         does not grow with q (a = b c + g = 0) fits any q: ``q_max`` is then required."""
-        c = _check_int("c", c, 0)
+        c = check_int("c", c, 0)
         check_positive("budget_s", budget_s)
-        align = _check_int("align", align, 1)
+        align = check_int("align", align, 1)
         if q_max is not None:
-            q_max = _check_int("q_max", q_max, 1)
+            q_max = check_int("q_max", q_max, 1)
         lin = self.b * c + self.g
         room = budget_s - self.d
         if self.a == 0 and lin == 0:
@@ -96,12 +95,6 @@ class PrefillCostFit:
         if self.d:
             s += f" + {self.d:.4g}"
         return f"{s} s  (R^2 = {self.r2:.4f}, n = {self.n})"
-
-
-def _check_int(name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    return int(value)
 
 
 def _as_samples(samples, names: tuple[str, str] = ("q", "c")) -> np.ndarray:

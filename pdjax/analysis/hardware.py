@@ -21,7 +21,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Union
 
-from pdjax.analysis.units import GB, TB, check_positive
+from pdjax.arguments import check_positive
+from pdjax.analysis.units import GB, TB
 
 #: The numeric fields of a HardwareSpec (each may carry a source note).
 FIGURES = ("peak_bf16_flops", "peak_fp8_flops", "hbm_bytes", "hbm_bw", "scale_up_bw", "scale_out_bw")

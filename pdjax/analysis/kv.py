@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from pdjax.analysis.units import (check_nonnegative, check_positive, check_positive_int,
-                                  unit_bytes)
+from pdjax.arguments import check_int, check_nonnegative, check_positive
+from pdjax.analysis.units import unit_bytes
 from pdjax.config import ModelConfig
 
 #: Attention kinds the KV accounting knows: "mla", "mha", "gqa" (needs num_kv_groups), "mqa".
@@ -41,7 +41,7 @@ def kv_heads(cfg: ModelConfig, attention: str, num_kv_groups: Optional[int] = No
     if attention == "gqa":
         if num_kv_groups is None:
             raise ValueError("attention='gqa' needs num_kv_groups (the number of K/V heads)")
-        g = check_positive_int("num_kv_groups", num_kv_groups)
+        g = check_int("num_kv_groups", num_kv_groups)
         if g > h or h % g:
             raise ValueError(f"num_kv_groups={g} must divide num_attention_heads={h}")
         return g
@@ -81,7 +81,7 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: float = 2, attention: str 
 def kv_bytes_per_sequence(cfg: ModelConfig, context_len: int, dtype_bytes: float = 2,
                           attention: str = "mla", num_kv_groups: Optional[int] = None) -> float:
     """KV-cache bytes of one sequence of ``context_len`` tokens."""
-    check_positive_int("context_len", context_len)
+    check_int("context_len", context_len)
     return context_len * kv_bytes_per_token(cfg, dtype_bytes, attention, num_kv_groups)
 
 
@@ -94,7 +94,7 @@ def concurrency_bound(free_memory: float, context_len: int, kv_bytes_per_token: 
     is the source articles' 3.76 (decimal) vs 4.04 (binary) sequences. ``kv_bytes_per_token`` is in
     bytes. Returns a (fractional) number of sequences."""
     free = check_nonnegative("free_memory", free_memory) * unit_bytes(unit)
-    check_positive_int("context_len", context_len)
+    check_int("context_len", context_len)
     check_positive("kv_bytes_per_token", kv_bytes_per_token)
     return free / (context_len * kv_bytes_per_token)
 
@@ -123,7 +123,7 @@ def free_memory_bytes(hbm_bytes: float, weight_bytes: float, act_bytes: float = 
 def kv_handoff_time(context_len: int, kv_bytes_per_token: float, link_bw: float) -> float:
     """Seconds to push one request's KV (``context_len`` tokens) over a link of ``link_bw``
     bytes/s: t = S * KV_per_token / BW_net (ignores latency and protocol overhead)."""
-    check_positive_int("context_len", context_len)
+    check_int("context_len", context_len)
     check_positive("kv_bytes_per_token", kv_bytes_per_token)
     check_positive("link_bw", link_bw)
     return context_len * kv_bytes_per_token / link_bw
@@ -132,7 +132,7 @@ def kv_handoff_time(context_len: int, kv_bytes_per_token: float, link_bw: float)
 def prefill_compute_time(context_len: int, active_params: float, peak_flops: float) -> float:
     """Seconds of weight FLOPs to prefill ``context_len`` tokens at peak:
     2 * N_a * S / R_peak (the S^2 attention FLOPs are left out, as in the source articles)."""
-    check_positive_int("context_len", context_len)
+    check_int("context_len", context_len)
     check_positive("active_params", active_params)
     check_positive("peak_flops", peak_flops)
     return 2 * active_params * context_len / peak_flops

@@ -14,7 +14,7 @@ from typing import Optional
 from pdjax.analysis.hardware import HardwareLike
 from pdjax.param_counts import param_counts
 from pdjax.analysis.roofline import compute_bound_batch
-from pdjax.analysis.units import check_positive, check_positive_int
+from pdjax.arguments import check_int, check_positive
 from pdjax.config import ModelConfig
 
 EP_LAYOUTS = ("even", "replicated")
@@ -65,7 +65,7 @@ def ep_weight_bytes_per_gpu(cfg: ModelConfig, ep_size: int, dtype_bytes: float =
     decode deployment) replicated on every rank: routed * p / EP + non_routed * p
     (DeepSeek-V3 fp8 EP144: ~21.7 GB). Redundant experts (EPLB) are not counted.
     """
-    ep_size = check_positive_int("ep_size", ep_size)
+    ep_size = check_int("ep_size", ep_size)
     check_positive("dtype_bytes", dtype_bytes)
     if layout not in EP_LAYOUTS:
         raise ValueError(f"unknown EP layout {layout!r}; known: {EP_LAYOUTS}")

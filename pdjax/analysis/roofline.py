@@ -18,7 +18,7 @@ from typing import Optional
 
 from pdjax.analysis.hardware import HardwareLike, dtype_bytes as _dtype_size, hardware, normalise_dtype
 from pdjax.analysis.kv import kv_elements_per_token
-from pdjax.analysis.units import check_nonnegative, check_positive
+from pdjax.arguments import check_nonnegative, check_positive
 from pdjax.config import ModelConfig
 
 

@@ -14,8 +14,7 @@ accepts a size in a unit other than bytes takes the unit as an explicit argument
 
 from __future__ import annotations
 
-import math
-import numbers
+from pdjax.arguments import check_nonnegative
 
 UNITS: dict[str, int | float] = {
     "B": 1,
@@ -45,46 +44,6 @@ def to_bytes(value: float, unit: str) -> float:
 def from_bytes(num_bytes: float, unit: str) -> float:
     """``num_bytes`` bytes expressed in ``unit``."""
     return check_nonnegative("num_bytes", num_bytes) / unit_bytes(unit)
-
-
-def _check_number(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a real number, got {value!r}")
-    if math.isnan(value) or math.isinf(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    return value
-
-
-def check_nonnegative(name: str, value) -> float:
-    """Return ``value`` if it is a finite real >= 0, else raise ValueError naming ``name``."""
-    _check_number(name, value)
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value!r}")
-    return value
-
-
-def check_positive(name: str, value) -> float:
-    """Return ``value`` if it is a finite real > 0, else raise ValueError naming ``name``."""
-    _check_number(name, value)
-    if value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value!r}")
-    return value
-
-
-def check_positive_int(name: str, value) -> int:
-    """Return ``value`` if it is an integer >= 1, else raise ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
-def check_fraction(name: str, value, *, open_low: bool = True) -> float:
-    """Return ``value`` if it lies in (0, 1] (or [0, 1] with ``open_low=False``)."""
-    _check_number(name, value)
-    if value > 1 or value < 0 or (open_low and value == 0):
-        interval = "(0, 1]" if open_low else "[0, 1]"
-        raise ValueError(f"{name} must lie in {interval}, got {value!r}")
-    return value
 
 
 def format_bytes(num_bytes: float, binary: bool = True) -> str:

@@ -26,17 +26,13 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 
+from pdjax.arguments import check_int
 from pdjax.config import ModelConfig
 from pdjax.disagg.afd_pool import AFDPool
 from pdjax.disagg.engine import PDEngine
 
 MAX_MICROBATCHES = 4
-
-
-def _positive_int(v) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v > 0
 
 
 def check_afd_options(cfg: ModelConfig, attention_devices, ffn_devices, microbatches, slots) -> int:
@@ -52,13 +48,10 @@ def check_afd_options(cfg: ModelConfig, attention_devices, ffn_devices, microbat
         raise ValueError("AF disaggregation needs MoE layers; the model has none")
     if cfg.n_routed_experts % N:
         raise ValueError(f"{cfg.n_routed_experts} routed experts do not divide over the {N} FFN devices")
-    m = microbatches
-    if not _positive_int(m) or m > MAX_MICROBATCHES:
-        raise ValueError(f"num_microbatches must be an integer in 1..{MAX_MICROBATCHES}, got {m!r}")
+    m = check_int("num_microbatches", microbatches, 1, MAX_MICROBATCHES)
     if slots is None:
         return m * math.lcm(M, N)
-    if not _positive_int(slots):
-        raise ValueError(f"max_decode_slots must be a positive integer, got {slots!r}")
+    slots = check_int("max_decode_slots", slots)
     if slots % M or (slots // M) < m:
         raise ValueError(f"num_microbatches={m} needs at least {m} decode slots on each of the {M} attention "
                          f"ranks (max_decode_slots a multiple of {m * M}), got max_decode_slots={slots}")
@@ -84,8 +77,7 @@ class AFDEngine(PDEngine):
                  **kwargs):
         attention_devices, ffn_devices = list(attention_devices), list(ffn_devices)
         slots = check_afd_options(cfg, attention_devices, ffn_devices, num_microbatches, max_decode_slots)
-        if not isinstance(ffn_retries, int) or ffn_retries < 0:
-            raise ValueError(f"ffn_retries must be an integer >= 0, got {ffn_retries!r}")
+        check_int("ffn_retries", ffn_retries, 0)
         M = len(attention_devices)
         mesh = prefill_mesh or ({"expert": M} if cfg.n_routed_experts % M == 0 else {"data": M})
         self._afd = {"ffn_devices": ffn_devices, "microbatches": num_microbatches, "ffn_retries": ffn_retries}

@@ -37,6 +37,7 @@ from pdjax.schedules.generators import build
 from pdjax.schedules.measured import op_costs_from_timeline
 from pdjax.schedules.schedule import Schedule
 from pdjax.schedules.simulate import simulate
+from pdjax.arguments import check_int
 
 COLUMNS = ("schedule", "P", "ranks", "microbatches", "batch", "seq_len", "measured_makespan_ms",
            "simulated_makespan_ms", "makespan_error", "measured_bubble_ratio", "simulated_bubble_ratio",
@@ -101,12 +102,6 @@ class ExecutedRow:
         return out
 
 
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
-
-
 def measure_schedule(name, cfg, *, num_ranks: int = 2, num_microbatches: int = 8,
                      batch_shape=(16, 32), params=None, tokens=None, devices=None, repeats: int = 3,
                      op_repeats: int = 3, seed: int = 0, layers_per_stage=None, processes: bool = False,
@@ -130,12 +125,12 @@ def measure_schedule(name, cfg, *, num_ranks: int = 2, num_microbatches: int = 8
     if isinstance(name, Schedule):
         schedule, num_ranks = name, name.num_ranks
     else:
-        num_ranks = _positive_int("num_ranks", num_ranks)
-        schedule = build(name, num_ranks, _positive_int("num_microbatches", num_microbatches))
+        num_ranks = check_int("num_ranks", num_ranks)
+        schedule = build(name, num_ranks, check_int("num_microbatches", num_microbatches))
     if params is None:
         params = init_params(cfg, jax.random.key(seed))
     if tokens is None:
-        B, T = (_positive_int("batch_shape entry", v) for v in batch_shape)
+        B, T = (check_int("batch_shape entry", v) for v in batch_shape)
         tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (B, T), dtype=np.int32)
     if processes:
         from pdjax.pipeline.processes import RankProcesses
@@ -150,8 +145,8 @@ def measure_schedule(name, cfg, *, num_ranks: int = 2, num_microbatches: int = 8
 
 def measure_executor(ex, params, tokens, *, repeats: int = 3, op_repeats: int = 3) -> ExecutedRow:
     """:func:`measure_schedule` for an existing measuring :class:`Executor` ``ex``."""
-    repeats = _positive_int("repeats", repeats)
-    op_repeats = _positive_int("op_repeats", op_repeats)
+    repeats = check_int("repeats", repeats)
+    op_repeats = check_int("op_repeats", op_repeats)
     if not ex.measure:
         raise ValueError("the executor must measure (Executor(..., measure=True))")
     tokens = ex.check_batch(tokens)
@@ -168,8 +163,8 @@ def measure_executor(ex, params, tokens, *, repeats: int = 3, op_repeats: int = 
 def measure_processes(rp, tokens, *, repeats: int = 3, op_repeats: int = 3) -> ExecutedRow:
     """:func:`measure_schedule` for a :class:`pdjax.pipeline.RankProcesses`: the simulation
     also gets the measured link latency (``rp.comm_ms``, from the isolated runs)."""
-    repeats = _positive_int("repeats", repeats)
-    op_repeats = _positive_int("op_repeats", op_repeats)
+    repeats = check_int("repeats", repeats)
+    op_repeats = check_int("op_repeats", op_repeats)
     tokens = rp.check_batch(tokens)
     rp.compile(tokens.shape)
     rp.step(tokens)                                           # warm-up: first dispatches, allocations

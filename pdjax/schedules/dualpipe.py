@@ -29,15 +29,11 @@ from __future__ import annotations
 
 from collections import deque
 
+from pdjax.arguments import check_int
+
 from .layout import Layout
 from .ops import Op, OverlapFB
 from .schedule import Schedule
-
-
-def _check_int(field: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{field} must be an int >= {minimum}, got {value!r}")
-    return value
 
 
 def dualpipe_rank_ops(n: int, h: int, per_phase: int, stages: tuple[int, int],
@@ -99,8 +95,8 @@ def dualpipe_rank_ops(n: int, h: int, per_phase: int, stages: tuple[int, int],
 def dualpipe(num_ranks: int, num_microbatches: int) -> Schedule:
     """DualPipe over ``num_ranks`` ranks (even) and ``num_microbatches`` (even, >= 2 x ranks),
     half of the micro-batches entering at each end."""
-    n_ranks = _check_int("num_ranks", num_ranks, 1)
-    c = _check_int("num_microbatches", num_microbatches, 1)
+    n_ranks = check_int("num_ranks", num_ranks, 1)
+    c = check_int("num_microbatches", num_microbatches, 1)
     if n_ranks % 2:
         raise ValueError(f"dualpipe needs an even num_ranks, got {n_ranks}")
     if c % 2:
@@ -123,8 +119,8 @@ def dualpipe(num_ranks: int, num_microbatches: int) -> Schedule:
 def dualpipev(num_ranks: int, num_microbatches: int) -> Schedule:
     """DualPipeV: ``2 x num_ranks`` stages in a V over ``num_ranks`` ranks,
     ``num_microbatches >= 2 x num_ranks``."""
-    n_ranks = _check_int("num_ranks", num_ranks, 1)
-    c = _check_int("num_microbatches", num_microbatches, 1)
+    n_ranks = check_int("num_ranks", num_ranks, 1)
+    c = check_int("num_microbatches", num_microbatches, 1)
     if c < 2 * n_ranks:
         raise ValueError(f"dualpipev needs num_microbatches >= 2 * num_ranks = {2 * n_ranks}, got {c}")
     layout = Layout.v_shape(n_ranks, c)

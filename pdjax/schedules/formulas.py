@@ -40,6 +40,8 @@ from fractions import Fraction
 
 import numpy as np
 
+from pdjax.arguments import check_int
+
 _NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zb1p", "dualpipe", "dualpipev")
 
 
@@ -50,16 +52,10 @@ def _name(name: str) -> str:
     return key
 
 
-def _positive_int(field: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{field} must be a positive int, got {value!r}")
-    return int(value)
-
-
 def bubble_ratio_1f1b(num_stages: int, num_microbatches: int) -> float:
     """1F1B bubble ratio ``(P-1)/(m+P-1)`` (idle share of each device's time)."""
-    p = _positive_int("num_stages", num_stages)
-    m = _positive_int("num_microbatches", num_microbatches)
+    p = check_int("num_stages", num_stages)
+    m = check_int("num_microbatches", num_microbatches)
     return (p - 1) / (m + p - 1)
 
 
@@ -68,7 +64,7 @@ def min_microbatches_1f1b(num_stages: int, max_ratio: float) -> int:
     ``m > (P-1)(1-r)/r`` (``9(P-1)``, i.e. 136 at P = 16, for 10 %). Exact: a float ratio is
     read as its shortest decimal repr (0.1 is one tenth), so the boundary ``m = 9(P-1)`` at
     10 % is excluded exactly, with no float rounding to guard against."""
-    p = _positive_int("num_stages", num_stages)
+    p = check_int("num_stages", num_stages)
     if isinstance(max_ratio, bool) or not isinstance(max_ratio, (int, float, Fraction)):
         raise ValueError(f"max_ratio must be a number, got {max_ratio!r}")
     r = Fraction(repr(max_ratio)) if isinstance(max_ratio, float) else Fraction(max_ratio)
@@ -85,7 +81,7 @@ def bubble_formula(name: str, num_stages: int, F: float = 1.0, B: float = 2.0, W
     (= P) stages. ``FB`` defaults to ``F + B``. For interleaved-1f1b the costs are per
     chunk and the bubble equals 1F1B's; GPipe's equals 1F1B's."""
     key = _name(name)
-    p = _positive_int("num_stages", num_stages)
+    p = check_int("num_stages", num_stages)
     fb = F + B if FB is None else FB
     if key in ("gpipe", "1f1b", "interleaved-1f1b"):
         return (p - 1) * (F + B)
@@ -130,8 +126,8 @@ def formula_conditions(name: str, F=1.0, B=2.0, W=0.0, FB=None, comm=0.0) -> tup
 
 def _dualpipe_shape(name: str, num_ranks: int, num_microbatches: int) -> tuple[int, int, list[int]]:
     key = _name(name)
-    n_ranks = _positive_int("num_ranks", num_ranks)
-    c = _positive_int("num_microbatches", num_microbatches)
+    n_ranks = check_int("num_ranks", num_ranks)
+    c = check_int("num_microbatches", num_microbatches)
     if key == "dualpipe":
         n, per_phase = n_ranks // 2, c // 2
         halves = [min(r, n_ranks - 1 - r) for r in range(n_ranks)]
@@ -190,7 +186,7 @@ def memory_table(name: str, num_stages: int) -> dict:
       allocates; the other ranks reach it because a pair holds both units.
     """
     key = _name(name)
-    p = _positive_int("num_stages", num_stages)
+    p = check_int("num_stages", num_stages)
     if key in ("1f1b", "zb1p"):
         return {"params": 1, "activations": p, "devices": p}
     if key == "dualpipe":

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from collections import deque
 
-from .dualpipe import _check_int, dualpipe, dualpipev
+from pdjax.arguments import check_int
+
+from .dualpipe import dualpipe, dualpipev
 from .greedy import zbh2, zbv
 from .vblock import v_half, v_min
 from .layout import Layout
@@ -21,8 +23,8 @@ from .schedule import Schedule
 
 def gpipe(num_ranks: int, num_microbatches: int) -> Schedule:
     """All forwards, then all backwards (micro-batch order)."""
-    p = _check_int("num_ranks", num_ranks, 1)
-    m = _check_int("num_microbatches", num_microbatches, 1)
+    p = check_int("num_ranks", num_ranks, 1)
+    m = check_int("num_microbatches", num_microbatches, 1)
     ops = tuple(
         tuple(Op("F", r, i) for i in range(m)) + tuple(Op("B", r, i) for i in range(m)) for r in range(p)
     )
@@ -56,8 +58,8 @@ def _one_f_one_b(p: int, m: int, r: int, split_lag: int | None) -> tuple:
 
 def one_f_one_b(num_ranks: int, num_microbatches: int) -> Schedule:
     """1F1B (PipeDream-flush): ``P-1-r`` warm-up forwards on rank ``r``, then F/B pairs."""
-    p = _check_int("num_ranks", num_ranks, 1)
-    m = _check_int("num_microbatches", num_microbatches, 1)
+    p = check_int("num_ranks", num_ranks, 1)
+    m = check_int("num_microbatches", num_microbatches, 1)
     ops = tuple(_one_f_one_b(p, m, r, None) for r in range(p))
     return Schedule("1f1b", Layout.chain(range(p), m, num_ranks=p), ops)
 
@@ -66,8 +68,8 @@ def zb1p(num_ranks: int, num_microbatches: int) -> Schedule:
     """ZB-H1: 1F1B with the backward split into I and W; rank ``r`` defers its W by
     ``r`` micro-batches so the W fill the end-of-pipeline bubble. Same activation
     memory as 1F1B; bubble (P-1)(F+B-2W) when W <= min(F, I)."""
-    p = _check_int("num_ranks", num_ranks, 1)
-    m = _check_int("num_microbatches", num_microbatches, 1)
+    p = check_int("num_ranks", num_ranks, 1)
+    m = check_int("num_microbatches", num_microbatches, 1)
     ops = tuple(_one_f_one_b(p, m, r, r) for r in range(p))
     return Schedule("zb1p", Layout.chain(range(p), m, num_ranks=p), ops)
 
@@ -79,9 +81,9 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, num_stages_per_rank:
     Forwards go in groups of P micro-batches per chunk; rank ``r`` warms up with
     ``2(P-1-r) + (v-1)P`` forwards, then alternates F and B (B visits chunks in reverse).
     """
-    p = _check_int("num_ranks", num_ranks, 1)
-    m = _check_int("num_microbatches", num_microbatches, 1)
-    v = _check_int("num_stages_per_rank", num_stages_per_rank, 1)
+    p = check_int("num_ranks", num_ranks, 1)
+    m = check_int("num_microbatches", num_microbatches, 1)
+    v = check_int("num_stages_per_rank", num_stages_per_rank, 1)
     if v == 1:
         s = one_f_one_b(p, m)
         return Schedule("interleaved-1f1b", s.layout, s.ops, (("num_stages_per_rank", 1),))

@@ -42,7 +42,8 @@ condition, with its B our I); V-Min's bubble grows with ``m`` at many unbalanced
 
 from __future__ import annotations
 
-from .dualpipe import _check_int
+from pdjax.arguments import check_int
+
 from .layout import Layout
 from .ops import Op
 from .schedule import Schedule
@@ -129,7 +130,7 @@ def building_block(num_ranks: int, name: str) -> tuple[dict, tuple[int, int]]:
     """Micro-batch 0's slots ``{(kind, stage): slot}`` of the F and I ops of ``name``
     (``"v-half"`` or ``"v-min"``) on ``num_ranks`` ranks, and the gaps ``(g, h)`` chosen
     (see the module docstring)."""
-    p = _check_int("num_ranks", num_ranks, 1)
+    p = check_int("num_ranks", num_ranks, 1)
     if name not in OFFSETS:
         raise ValueError(f"name must be one of {sorted(OFFSETS)}, got {name!r}")
     best = None
@@ -152,8 +153,8 @@ def v_block_schedule(name: str, num_ranks: int, num_microbatches: int) -> Schedu
     """The schedule of ``name`` built from its building block (module docstring). Options
     record the block (``block``: micro-batch 0's F/I slots), the gaps, the interval and
     the memory cap of the squeeze (``cap``, in stage activations)."""
-    p = _check_int("num_ranks", num_ranks, 1)
-    m = _check_int("num_microbatches", num_microbatches, 1)
+    p = check_int("num_ranks", num_ranks, 1)
+    m = check_int("num_microbatches", num_microbatches, 1)
     layout = Layout.v_shape(p, m)
     slot, gaps = building_block(p, name)
     fi, at = _repeat(p, m, slot)

@@ -27,7 +27,7 @@ import math
 
 import numpy as np
 
-from pdjax.analysis.units import check_positive
+from pdjax.arguments import check_positive
 
 
 @dataclasses.dataclass(frozen=True)

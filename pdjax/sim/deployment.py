@@ -12,20 +12,14 @@ import dataclasses
 import math
 from typing import Optional
 
+from pdjax.arguments import check_int, check_positive
 from pdjax.sim.controller import ControllerConfig
 from pdjax.sim.policies import DEFAULT_BUCKET_EDGES, check_edges
 
 
-def _pos_int(owner, name, v, minimum=1):
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise ValueError(f"{owner}.{name} must be an integer >= {minimum}, got {v!r}")
-
-
 def _pos(owner, name, v, allow_none=False):
-    if v is None and allow_none:
-        return
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-        raise ValueError(f"{owner}.{name} must be a finite number > 0, got {v!r}")
+    if not (v is None and allow_none):
+        check_positive(f"{owner}.{name}", v)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,16 +55,16 @@ class Colocated:
     kind = "colocated"
 
     def __post_init__(self):
-        _pos_int("Colocated", "num_instances", self.num_instances)
-        _pos_int("Colocated", "token_budget", self.token_budget)
+        check_int("Colocated.num_instances", self.num_instances)
+        check_int("Colocated.token_budget", self.token_budget)
         _pos("Colocated", "time_budget", self.time_budget, allow_none=True)
         _pos("Colocated", "kv_capacity", self.kv_capacity, allow_none=True)
         if self.max_batch is not None:
-            _pos_int("Colocated", "max_batch", self.max_batch)
+            check_int("Colocated.max_batch", self.max_batch)
         if self.step_policy not in ("mixed", "alternate"):
             raise ValueError(f"Colocated.step_policy must be 'mixed' or 'alternate', got {self.step_policy!r}")
         if self.prefill_max_requests is not None:
-            _pos_int("Colocated", "prefill_max_requests", self.prefill_max_requests)
+            check_int("Colocated.prefill_max_requests", self.prefill_max_requests)
         if self.decode_loop and self.step_policy != "alternate":
             raise ValueError("Colocated.decode_loop models the engines' alternating steps: "
                              "it needs step_policy='alternate'")
@@ -126,21 +120,21 @@ class PDDisaggregated:
 
     def __post_init__(self):
         o = type(self).__name__
-        _pos_int(o, "num_prefill", self.num_prefill)
-        _pos_int(o, "num_decode", self.num_decode)
+        check_int(f"{o}.num_prefill", self.num_prefill)
+        check_int(f"{o}.num_decode", self.num_decode)
         _pos(o, "link_bw", self.link_bw)
-        _pos_int(o, "token_budget", self.token_budget)
+        check_int(f"{o}.token_budget", self.token_budget)
         _pos(o, "time_budget", self.time_budget, allow_none=True)
-        _pos_int(o, "dp_ranks", self.dp_ranks)
+        check_int(f"{o}.dp_ranks", self.dp_ranks)
         if self.num_layers is not None:
-            _pos_int(o, "num_layers", self.num_layers)
+            check_int(f"{o}.num_layers", self.num_layers)
         _pos(o, "kv_capacity", self.kv_capacity, allow_none=True)
         if self.max_batch is not None:
-            _pos_int(o, "max_batch", self.max_batch)
+            check_int(f"{o}.max_batch", self.max_batch)
         object.__setattr__(self, "bucket_edges", check_edges(self.bucket_edges))
-        _pos_int(o, "long_threshold", self.long_threshold)
+        check_int(f"{o}.long_threshold", self.long_threshold)
         if self.prefill_max_requests is not None:
-            _pos_int(o, "prefill_max_requests", self.prefill_max_requests)
+            check_int(f"{o}.prefill_max_requests", self.prefill_max_requests)
         if self.contention is not None:
             c = tuple(self.contention)
             if len(c) != 2 or not all(isinstance(f, (int, float)) and not isinstance(f, bool)
@@ -190,9 +184,9 @@ class AFDisaggregated(PDDisaggregated):
 
     def __post_init__(self):
         super().__post_init__()
-        _pos_int("AFDisaggregated", "num_attention", self.num_attention)
-        _pos_int("AFDisaggregated", "num_ffn", self.num_ffn)
-        _pos_int("AFDisaggregated", "microbatches", self.microbatches)
+        check_int("AFDisaggregated.num_attention", self.num_attention)
+        check_int("AFDisaggregated.num_ffn", self.num_ffn)
+        check_int("AFDisaggregated.microbatches", self.microbatches)
         _pos("AFDisaggregated", "exchange_bw", self.exchange_bw, allow_none=True)
         _pos("AFDisaggregated", "exchange_bytes", self.exchange_bytes, allow_none=True)
         if self.controller is not None:
