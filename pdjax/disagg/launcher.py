@@ -43,8 +43,8 @@ class TwoProcessServer:
     ``handoff_timeout_s``: decode's deadline for a prefill attempt without progress; the
     reservation is then cancelled and the request re-prefilled (``max_prefill_attempts``).
     ``env``: extra environment for both children (e.g. ``JAX_DEFAULT_MATMUL_PRECISION``).
-    ``link_wrapper``: ``"file.py:factory"`` wrapping the prefill process's KV link (see
-    :mod:`pdjax.disagg.prefill_server`; the fault tests use it with :meth:`inject_prefill_fault`).
+    ``serve_command``: the command that starts a role, followed by ``--role ROLE`` and its
+    options (default ``python -m pdjax serve``; the fault tests start their own entry point).
 
     ``stats`` after ``generate``: per request (ttft seconds as seen by the client, kv_bytes
     received by decode, prefill_attempts, handoff_timeouts, prefix_hit_tokens,
@@ -58,15 +58,14 @@ class TwoProcessServer:
                  block_size: int = 16, max_decode_slots: int = 4, max_context: int | None = None,
                  num_blocks: int | None = None, prefix_cache: bool | dict = False,
                  handoff_timeout_s: float = 30.0, max_prefill_attempts: int = 3,
-                 env: dict | None = None, startup_timeout: float = 120.0, link_wrapper: str | None = None):
+                 env: dict | None = None, startup_timeout: float = 120.0, serve_command=None):
         self.startup_timeout = startup_timeout
         self._log_dir = tempfile.mkdtemp(prefix="pdjax-serve-")
         common = ["--preset", preset, "--seed", str(seed), "--block-size", str(block_size)]
         store = {} if prefix_cache is True else prefix_cache
         self._argv = {
             "prefill": common + ["--mesh", json.dumps(prefill_mesh or {"expert": prefill_devices})]
-            + (["--prefix-cache", json.dumps(store)] if store is not False and store is not None else [])
-            + (["--link-wrapper", link_wrapper] if link_wrapper else []),
+            + (["--prefix-cache", json.dumps(store)] if store is not False and store is not None else []),
             "decode": common + ["--mesh", json.dumps(decode_mesh or {"expert": decode_devices}),
                                 "--slots", str(max_decode_slots), "--handoff-timeout", str(handoff_timeout_s),
                                 "--max-prefill-attempts", str(max_prefill_attempts)]
@@ -75,6 +74,7 @@ class TwoProcessServer:
         }
         self._devices = {"prefill": prefill_devices, "decode": decode_devices}
         self._env = dict(env or {})
+        self._serve = list(serve_command or [sys.executable, "-m", "pdjax", "serve"])
         self.procs: dict = {}
         self._decode_ctl: Control | None = None
         self._events: queue.Queue = queue.Queue()
@@ -95,7 +95,7 @@ class TwoProcessServer:
     def _spawn(self, role: str) -> None:
         env = child_env(self._devices[role], self._env)
         log = open(os.path.join(self._log_dir, f"{role}.log"), "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "pdjax", "serve", "--role", role, *self._argv[role]],
+        proc = subprocess.Popen([*self._serve, "--role", role, *self._argv[role]],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env)
         log.close()
         lines: queue.Queue = queue.Queue()
@@ -143,26 +143,6 @@ class TwoProcessServer:
         if proc is not None and proc.poll() is None:
             proc.kill()                               # SIGKILL: jax catches SIGTERM
             proc.wait(timeout=30)
-
-    def kill_decode(self) -> None:
-        """SIGKILL the decode process (a fault; ``generate`` restarts it and re-issues)."""
-        self.procs["decode"][0].kill()
-
-    def inject_prefill_fault(self, **fault) -> dict:
-        """Send ``fault`` to the prefill process's link wrapper (its ``arm``, on a control
-        connection of its own); returns the reply, raises if it refused (or no wrapper)."""
-        ctl = Control.connect(self.prefill_info["control"])
-        try:
-            hello = ctl.recv()
-            if not hello or hello.get("op") != "hello":
-                raise ConnectionError(f"expected hello from the prefill process, got {hello!r}")
-            ctl.send({"op": "fault", **fault})
-            reply = ctl.recv()
-        finally:
-            ctl.close()
-        if not reply or not reply.get("ok"):
-            raise RuntimeError(f"the prefill process refused the fault {fault}: {reply!r}")
-        return reply
 
     def log_tail(self, role: str, chars: int = 4000) -> str:
         return file_tail(os.path.join(self._log_dir, f"{role}.log"), chars)

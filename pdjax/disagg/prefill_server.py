@@ -9,17 +9,16 @@ compute); then ``ready`` with the first token and the chunks' checksums. ``cance
 attempt the decode side abandoned (dropped if queued, stopped at its next layer if running).
 A connection that closes drops its queued jobs (their offers expire).
 
-``link_wrapper``: ``"path/to/file.py:factory"``, ``factory(link, server) -> link`` wraps the
-transfer link (the fault tests inject failures, stalls, corruption and death this way); a
-``fault`` control message on a connection of its own is passed to the wrapper's
-``arm(message) -> reply``.
+``link_wrapper`` (Python API only, no command-line flag): a callable
+``factory(link, server) -> link`` that wraps the transfer link; ``control_ops`` maps further
+control-message ops to handlers ``handler(message) -> reply`` (the fault tests' own entry
+point, tests/disagg/serve_faulty.py, installs both to inject failures, stalls, corruption
+and death).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import queue
-import sys
 import threading
 
 import jax
@@ -44,23 +43,11 @@ def mesh_devices(mesh_axes: dict) -> list:
     return devices[:n]
 
 
-def load_wrapper(spec: str):
-    """``"path/to/file.py:name"`` -> that module attribute (loaded from the file)."""
-    path, _, name = spec.rpartition(":")
-    if not path or not name:
-        raise ValueError(f"a link wrapper is path/to/file.py:name, got {spec!r}")
-    module_spec = importlib.util.spec_from_file_location("pdjax_link_wrapper", path)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_spec.name] = module             # dataclasses look their module up
-    module_spec.loader.exec_module(module)
-    return getattr(module, name)
-
-
 class PrefillServer:
     """``prefix_cache``: None or PrefixStore options (default 0 device, 256 host blocks)."""
 
     def __init__(self, params, cfg, mesh_axes: dict, *, block_size: int = 16, prefix_cache: dict | None = None,
-                 link_wrapper: str | None = None):
+                 link_wrapper=None):
         self.pool = PrefillPool(params, cfg, mesh_devices(mesh_axes), mesh_axes)
         self.store = None
         if prefix_cache is not None:
@@ -68,8 +55,9 @@ class PrefillServer:
                                      **{"device_blocks": 0, "host_blocks": 256, **prefix_cache})
         self.sender = KVSender(start_transfer_server(jax.local_devices()))
         self.link = TransferLink(sender=self.sender)
-        if link_wrapper:
-            self.link = load_wrapper(link_wrapper)(self.link, self)
+        self.control_ops: dict = {}                    # op -> handler(message) -> reply
+        if link_wrapper is not None:
+            self.link = link_wrapper(self.link, self)
         self.worker = PrefillWorker(self.pool, self.link, Clock(), store=self.store)
         self.listener = listen()
         self.jobs: queue.Queue = queue.Queue()
@@ -102,9 +90,8 @@ class PrefillServer:
         try:
             while (msg := ctl.recv()) is not None:
                 op = msg.get("op")
-                if op == "fault":
-                    arm = getattr(self.link, "arm", None)
-                    ctl.send(arm(msg) if arm else {"op": "fault", "ok": False, "error": "no fault-injecting link"})
+                if op in self.control_ops:
+                    ctl.send(self.control_ops[op](msg))
                 elif op == "cancel":              # at once: the attempt may be queued or running
                     self.worker.cancel(msg["request"], msg["attempt"])
                 elif op == "prefill":

@@ -366,26 +366,6 @@ class PrefixStore:
         """The file holding disk slot ``slot`` (zarr3 default chunk keys: c/slot/0/0/0)."""
         return os.path.join(self.disk_path, "blocks.zarr", "c", str(slot), "0", "0", "0")
 
-    # ---- test hook -----------------------------------------------------------------------
-    def _corrupt(self, block_hash: int) -> str:
-        """Flip one byte of the stored copy of ``block_hash`` (fault tests); returns its tier."""
-        with self._lock:
-            tier = self._where(block_hash, self.clock())
-            if tier is None:
-                raise KeyError(f"block {block_hash:032x} is not stored")
-            data = self._data[tier][block_hash]
-            if tier == "disk":
-                with open(self._chunk_file(data), "r+b") as f:
-                    f.seek(-1, os.SEEK_END)
-                    b = f.read(1)
-                    f.seek(-1, os.SEEK_END)
-                    f.write(bytes([b[0] ^ 0xFF]))
-                return tier
-            bad = np.array(np.asarray(data))            # a copy: in-flight loads keep theirs
-            bad.reshape(-1).view(np.uint8)[0] ^= 0xFF
-            self._data[tier][block_hash] = jax.device_put(bad, self.device) if tier == "device" else bad
-            return tier
-
     def close(self) -> None:
         """Remove the disk tier's directory (also done when the store is collected)."""
         if self.disk_path is not None:

@@ -50,12 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode: abandon a prefill attempt without progress for this long and re-prefill")
     p.add_argument("--max-prefill-attempts", type=int, default=3,
                    help="decode: prefill attempts (failed or timed out) before a request fails")
-    p.add_argument("--link-wrapper", default=None, metavar="FILE:FACTORY",
-                   help="prefill: wrap the KV link with FACTORY(link, server) from FILE (fault injection)")
     return p
 
 
-def main(argv=None) -> int:
+def main(argv=None, *, link_wrapper=None) -> int:
+    """Run one role. ``link_wrapper``: a callable ``factory(link, server) -> link`` for the
+    prefill role (Python API only: no server flag loads code)."""
     args = build_parser().parse_args(argv)
     exit_when_orphaned()
     cfg = config_preset(args.preset)
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     if args.role == "prefill":
         from pdjax.disagg.prefill_server import PrefillServer
         PrefillServer(params, cfg, mesh, block_size=args.block_size, prefix_cache=args.prefix_cache,
-                      link_wrapper=args.link_wrapper).serve_forever()
+                      link_wrapper=link_wrapper).serve_forever()
     else:
         from pdjax.disagg.decode_server import DecodeServer
         DecodeServer(params, cfg, mesh, slots=args.slots, block_size=args.block_size,

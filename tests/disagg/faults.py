@@ -3,8 +3,9 @@
 :class:`SlowLink` slows its copies; :class:`FailingFFN` and :class:`SlowExchange` do the same
 to an AFD pool's FFN side and A2F exchange;
 :class:`ManualClock` lets a test drive the engines' time by hand. The two-process server
-loads :func:`wrap` in its prefill process (``link_wrapper="tests/disagg/faults.py:wrap"``)
-and arms faults there with ``fault`` control messages (:meth:`FaultyLink.arm`)."""
+is started with this folder's serve_faulty.py, which installs :func:`wrap` in its prefill
+process; :func:`inject_prefill_fault` arms faults there (:meth:`FaultyLink.arm`), and
+:func:`corrupt_block` flips a byte of a prefix store's block."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pdjax.disagg.link import Cancelled
 
@@ -166,7 +168,7 @@ class FaultyLink:
         try:
             if "corrupt_prefix" in msg:
                 store = self.server.store
-                return {"op": "fault", "ok": True, "tier": store._corrupt(store.hashes(msg["corrupt_prefix"])[0])}
+                return {"op": "fault", "ok": True, "tier": corrupt_block(store, store.hashes(msg["corrupt_prefix"])[0])}
             with self._lock:
                 self.faults.append(Fault(**msg["fault"]))
             return {"op": "fault", "ok": True}
@@ -175,8 +177,52 @@ class FaultyLink:
 
 
 def wrap(link, server) -> FaultyLink:
-    """The prefill process's link wrapper (``--link-wrapper tests/disagg/faults.py:wrap``)."""
-    return FaultyLink(link, server=server)
+    """The prefill process's link wrapper (tests/disagg/serve_faulty.py passes it to
+    ``pdjax.disagg.serve.main``): a FaultyLink, armed by ``fault`` control messages."""
+    faulty = FaultyLink(link, server=server)
+    server.control_ops["fault"] = faulty.arm
+    return faulty
+
+
+def inject_prefill_fault(server, **fault) -> dict:
+    """Send ``fault`` to the prefill process of a ``launch_two_process`` server (started with
+    serve_faulty.py) on a control connection of its own; returns the reply, raises if the
+    process refused it."""
+    from pdjax.disagg.transfer import Control
+
+    ctl = Control.connect(server.prefill_info["control"])
+    try:
+        hello = ctl.recv()
+        if not hello or hello.get("op") != "hello":
+            raise ConnectionError(f"expected hello from the prefill process, got {hello!r}")
+        ctl.send({"op": "fault", **fault})
+        reply = ctl.recv()
+    finally:
+        ctl.close()
+    if not reply or not reply.get("ok"):
+        raise RuntimeError(f"the prefill process refused the fault {fault}: {reply!r}")
+    return reply
+
+
+def corrupt_block(store, block_hash: int) -> str:
+    """Flip one byte of a prefix store's stored copy of ``block_hash`` in whatever tier holds
+    it (a host or device array, or the disk tier's chunk file); returns the tier."""
+    with store._lock:
+        tier = store._where(block_hash, store.clock())
+        if tier is None:
+            raise KeyError(f"block {block_hash:032x} is not stored")
+        data = store._data[tier][block_hash]
+        if tier == "disk":
+            with open(store._chunk_file(data), "r+b") as f:
+                f.seek(-1, os.SEEK_END)
+                b = f.read(1)
+                f.seek(-1, os.SEEK_END)
+                f.write(bytes([b[0] ^ 0xFF]))
+            return tier
+        bad = np.array(np.asarray(data))            # a copy: in-flight loads keep theirs
+        bad.reshape(-1).view(np.uint8)[0] ^= 0xFF
+        store._data[tier][block_hash] = jax.device_put(bad, store.device) if tier == "device" else bad
+        return tier
 
 
 def free_blocks(eng) -> list:

@@ -7,7 +7,7 @@ import pytest
 from pdjax.disagg import ColocatedEngine, PDEngine, RequestError, SamplingParams
 from pdjax.disagg.prefill import bucket
 
-from faults import Fault, FaultyLink, SlowLink
+from faults import Fault, FaultyLink, SlowLink, corrupt_block
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +148,7 @@ def test_prefix_cache_hits_and_identical_tokens(tiny_cfg, tiny_params, prompts, 
 
     # a corrupted block: checksum mismatch, the prefix is recomputed, tokens unchanged
     big = prompts[2]
-    eng.store._corrupt(eng.store.hashes(big)[0])
+    corrupt_block(eng.store, eng.store.hashes(big)[0])
     out = eng.generate([big], max_new_tokens=5)
     assert out == [expected[2]]
     r = eng.stats["requests"][0]

@@ -14,6 +14,8 @@ from pdjax import prefix_index
 from pdjax.disagg import prefix_store
 from pdjax.disagg.prefix_store import CorruptBlockError, MissingBlockError, PrefixStore
 
+from faults import corrupt_block
+
 BS = 4
 
 
@@ -178,7 +180,7 @@ def test_corrupt_block_raises_and_is_evicted(cfg, tmp_path, tier):
     r = _rows(cfg, len(p), 30)
     store.insert(p, r)
     h0, h1 = store.hashes(p)
-    assert store._corrupt(h1) == tier
+    assert corrupt_block(store, h1) == tier
     assert store.lookup(p) == 2 * BS                 # metadata cannot see it ...
     with pytest.raises(CorruptBlockError) as e:      # ... the load's checksum does
         store.load(p, 2 * BS, jax.devices()[0])

@@ -6,6 +6,7 @@ handoff stalls past its deadline."""
 
 import collections
 import os
+import sys
 
 import jax
 import numpy as np
@@ -16,13 +17,15 @@ from pdjax.disagg import RequestError
 from pdjax.disagg import launch_two_process
 from pdjax.disagg.transfer import Control, KVReceiver, KVSender, listen
 
+from faults import inject_prefill_fault
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # the children compute as this test process does (conftest), and share its compilation cache
 CHILD_ENV = {"JAX_DEFAULT_MATMUL_PRECISION": "highest",
              "JAX_COMPILATION_CACHE_DIR": os.path.join(ROOT, ".jax_cache"),
              "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"}
 NEW = 5
-FAULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults.py") + ":wrap"
+SERVE_FAULTY = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve_faulty.py")]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +47,7 @@ def server():
     srv = launch_two_process("tiny", 0, prefill_mesh={"expert": 4}, decode_mesh={"data": 2, "expert": 2},
                              block_size=16, max_decode_slots=4, max_context=256, env=CHILD_ENV,
                              prefix_cache={"device_blocks": 4, "host_blocks": 64}, startup_timeout=60,
-                             link_wrapper=FAULTS)
+                             serve_command=SERVE_FAULTY)
     try:
         yield srv
     finally:
@@ -137,7 +140,7 @@ def test_prefix_cache_in_prefill_process(server, tiny_cfg, prompts, expected):
     assert [r["kv_bytes_received"] for r in stats] == [len(p) * _row_bytes(tiny_cfg) for p in prompts]
     assert all(r["prefill_attempts"] == 1 and r["prefix_errors"] == [] for r in stats)
 
-    server.inject_prefill_fault(corrupt_prefix=prompts[2])
+    inject_prefill_fault(server, corrupt_prefix=prompts[2])
     assert server.generate([prompts[2]], max_new_tokens=NEW, timeout=60) == [expected[2]]
     r = server.stats["requests"][0]
     assert r["prefix_hit_tokens"] == 0 and r["kv_bytes_received"] == len(prompts[2]) * _row_bytes(tiny_cfg)
@@ -172,7 +175,7 @@ def test_decode_killed_mid_request_is_restarted_and_reissued(server, prompts, ex
         streamed.setdefault(i, []).append(tok)
         if not at_kill and len(streamed[i]) == 2:           # request i is 2 tokens into 5
             at_kill.update({k: list(v) for k, v in streamed.items()})
-            server.kill_decode()                            # SIGKILL
+            server.procs["decode"][0].kill()              # SIGKILL
     out = server.generate(prompts, max_new_tokens=NEW, on_token=on_token, timeout=90)
     assert out == expected
     assert streamed == dict(enumerate(expected))            # each token streamed once
@@ -190,7 +193,7 @@ def test_stalled_handoff_times_out_and_is_prefilled_again(server, tiny_cfg, prom
     has not started, so it does not time out. Tokens identical, nothing else retried."""
     slow = len(prompts) - 2
     before = dict(server.stats.get("link", {}))
-    server.inject_prefill_fault(fault={"kind": "stall", "layer": 1, "tokens": len(prompts[slow])})
+    inject_prefill_fault(server, fault={"kind": "stall", "layer": 1, "tokens": len(prompts[slow])})
     out = server.generate(prompts, max_new_tokens=NEW, timeout=90,
                           handoff_timeout_s=[None] * slow + [2.0, 2.0])
     assert out == expected
@@ -210,8 +213,8 @@ def test_link_faults_in_the_prefill_process_are_survived(server, tiny_cfg, promp
     wire; decode's checksum catches it before admission). Both are prefilled again; every
     token is pulled and streamed once; the other requests need one attempt."""
     before = dict(server.stats.get("link", {}))
-    server.inject_prefill_fault(fault={"kind": "fail", "layer": 1, "tokens": len(prompts[1])})
-    server.inject_prefill_fault(fault={"kind": "corrupt", "layer": 2, "tokens": len(prompts[2])})
+    inject_prefill_fault(server, fault={"kind": "fail", "layer": 1, "tokens": len(prompts[1])})
+    inject_prefill_fault(server, fault={"kind": "corrupt", "layer": 2, "tokens": len(prompts[2])})
     streamed = collections.defaultdict(list)
     out = server.generate(prompts, max_new_tokens=NEW, timeout=90, use_prefix_cache=False,
                           on_token=lambda i, t: streamed[i].append(t))
@@ -230,7 +233,7 @@ def test_killed_prefill_process_is_restarted_and_its_requests_reissued(server, p
     Requests done before are untouched; every token is streamed once. (Last in the module:
     the new prefill process starts with an empty prefix cache.)"""
     old, decode_restarts = server.procs["prefill"][0], server.decode_restarts
-    server.inject_prefill_fault(fault={"kind": "kill", "layer": 1, "tokens": len(prompts[2])})
+    inject_prefill_fault(server, fault={"kind": "kill", "layer": 1, "tokens": len(prompts[2])})
     streamed = collections.defaultdict(list)
     out = server.generate(prompts, max_new_tokens=NEW, timeout=120, use_prefix_cache=False,
                           on_token=lambda i, t: streamed[i].append(t))
