@@ -12,7 +12,7 @@ from pdjax.sim.metrics import summarize
 
 @dataclasses.dataclass
 class SimResult:
-    """One simulation: ``summary`` (metrics, see :func:`pdjax.sim.summarize`), the finished
+    """One simulation: ``summary`` (metrics, see :func:`pdjax.sim.metrics.summarize`), the finished
     ``requests``, the controller's ``actions`` and the number of ``events`` processed."""
 
     summary: dict

@@ -108,7 +108,7 @@ def test_hash_chain_shares_prefixes_and_breaks_on_an_earlier_difference(cfg):
     assert store.lookup(c) == 0
     # one representation: the simulator's index and token hashes are these
     assert sim.PrefixCache is prefix_index.PrefixCache
-    assert sim.token_chain_hashes(a, BS) == ha
+    assert sim.prefix_cache.token_chain_hashes(a, BS) == ha
 
 
 def test_lookup_is_metadata_only(cfg, tmp_path, monkeypatch):

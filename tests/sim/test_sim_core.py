@@ -110,9 +110,9 @@ def test_afd_cycle_hides_exchange_at_the_analytic_bound():
     t_f = 1.0
     for t_c in (0.25, 0.5, 0.9):
         m = afd_min_microbatches_int(t_c, t_f)
-        assert sim.afd_layer_cycle(t_f, t_f, t_c, m) == pytest.approx(m * t_f)
-        assert sim.exchange_hidden(t_f, t_f, t_c, m)
-        assert not sim.exchange_hidden(t_f, t_f, t_c, m - 1)
+        assert sim.afd.afd_layer_cycle(t_f, t_f, t_c, m) == pytest.approx(m * t_f)
+        assert sim.afd.exchange_hidden(t_f, t_f, t_c, m)
+        assert not sim.afd.exchange_hidden(t_f, t_f, t_c, m - 1)
 
 
 def test_determinism_and_seed_sensitivity(cost):
@@ -176,7 +176,7 @@ def test_roofline_cost_model_runs():
     from pdjax.analysis import costmodel
     cm = costmodel.RooflineCostModel(pdjax.configs.deepseek_v3(), pdjax.analysis.hardware("h800"),
                                      dtype_bytes=2, ep_size=32)
-    sim.check_cost_model(cm)
+    sim.cost.check_cost_model(cm)
     n_in, n_out = 2048, 5
     r = sim.simulate(sim.Colocated(1, token_budget=4096), cm, [one(n_in, n_out)]).requests[0]
     assert r.t_first == pytest.approx(cm.prefill_step_time([(n_in, 0)]), rel=1e-9)

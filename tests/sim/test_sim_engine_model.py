@@ -23,7 +23,7 @@ def test_fitted_step_cost_pads_sums_chunks_and_decodes_by_totals():
     dec = DecodeCostFit(d0=2e-3, d1=1e-5, d2=1e-8, r2=1.0, n=3)
     pad = lambda q: 1 << (q - 1).bit_length()                          # noqa: E731 - powers of two
     cost = sim.FittedStepCost(prefill=pre, decode=dec, kv_bytes=96, num_layers=3, prefill_rows=pad)
-    sim.check_cost_model(cost)
+    sim.cost.check_cost_model(cost)
     assert cost.prefill_step_time([(100, 0)]) == pytest.approx(pre(128, 0))
     assert cost.prefill_step_time([(100, 0), (16, 64)]) == pytest.approx(pre(128, 0) + pre(16, 64))
     assert cost.prefill_step_time([]) == 0.0

@@ -23,7 +23,7 @@ COST = sim.LinearStepCost.from_roofline(pdjax.configs.deepseek_v3(), "h800", ep_
        base=st.lists(st.tuples(st.integers(1, 4000), st.integers(0, 50_000)), max_size=3))
 def test_chunk_for_budget_is_the_largest_fitting_chunk(c, max_q, budget, base):
     f = COST.prefill_step_time
-    q = sim.chunk_for_budget(f, base, c, max_q, budget)
+    q = sim.policies.chunk_for_budget(f, base, c, max_q, budget)
     assert 0 <= q <= max_q
     if max_q == 0:
         assert q == 0
@@ -41,8 +41,8 @@ def test_chunk_for_budget_is_the_largest_fitting_chunk(c, max_q, budget, base):
 def test_chunk_grows_with_budget_and_shrinks_with_prefix(c, b1, b2):
     f = COST.prefill_step_time
     lo, hi = sorted((b1, b2))
-    assert sim.chunk_for_budget(f, [], c, 1 << 20, lo) <= sim.chunk_for_budget(f, [], c, 1 << 20, hi)
-    assert sim.chunk_for_budget(f, [], c + 10_000, 1 << 20, hi) <= sim.chunk_for_budget(f, [], c, 1 << 20, hi)
+    assert sim.policies.chunk_for_budget(f, [], c, 1 << 20, lo) <= sim.policies.chunk_for_budget(f, [], c, 1 << 20, hi)
+    assert sim.policies.chunk_for_budget(f, [], c + 10_000, 1 << 20, hi) <= sim.policies.chunk_for_budget(f, [], c, 1 << 20, hi)
 
 
 def test_chunk_for_budget_solves_the_quadratic(cost):
@@ -52,27 +52,27 @@ def test_chunk_for_budget_solves_the_quadratic(cost):
     a, b = cost.c3, cost.c1 + cost.c2 * c
     k = cost.c0 + cost.c4 * c - budget
     root = (-b + math.sqrt(b * b - 4 * a * k)) / (2 * a)
-    assert sim.chunk_for_budget(cost.prefill_step_time, [], c, 1 << 20, budget) == math.floor(root)
+    assert sim.policies.chunk_for_budget(cost.prefill_step_time, [], c, 1 << 20, budget) == math.floor(root)
 
 
 @given(n=st.integers(0, 10**7))
 def test_length_buckets(n):
-    b = sim.length_bucket(n)
+    b = sim.policies.length_bucket(n)
     edges = (0,) + DEFAULT_BUCKET_EDGES + (math.inf,)
     assert edges[b] <= n < edges[b + 1]
 
 
 def test_length_bucket_edges_are_the_brief_s():
-    assert [sim.length_bucket(x) for x in (16383, 16384, 65535, 65536, 262143, 262144)] == [0, 1, 1, 2, 2, 3]
+    assert [sim.policies.length_bucket(x) for x in (16383, 16384, 65535, 65536, 262143, 262144)] == [0, 1, 1, 2, 2, 3]
 
 
 @given(pending=st.lists(st.floats(0, 100), min_size=1, max_size=8), data=st.data())
 def test_pick_by_quota_minimises_work_per_quota(pending, data):
     quota = data.draw(st.lists(st.floats(0.1, 4), min_size=len(pending), max_size=len(pending)))
-    i = sim.pick_by_quota(pending, quota)
+    i = sim.policies.pick_by_quota(pending, quota)
     assert all(pending[i] / quota[i] <= p / q for p, q in zip(pending, quota))
     allowed = data.draw(st.lists(st.integers(0, len(pending) - 1), min_size=1, unique=True))
-    j = sim.pick_by_quota(pending, quota, allowed)
+    j = sim.policies.pick_by_quota(pending, quota, allowed)
     assert j in allowed and all(pending[j] / quota[j] <= pending[k] / quota[k] for k in allowed)
 
 
@@ -82,7 +82,7 @@ def test_pick_decode_short_by_count_long_by_kv(counts, data, ctx):
     n = len(counts)
     kvs = data.draw(st.lists(st.integers(0, 10**6), min_size=n, max_size=n))
     fits = data.draw(st.lists(st.booleans(), min_size=n, max_size=n))
-    i = sim.pick_decode(counts, kvs, ctx, 16384, fits)
+    i = sim.policies.pick_decode(counts, kvs, ctx, 16384, fits)
     if not any(fits):
         assert i == -1
         return
@@ -97,8 +97,8 @@ def test_pick_decode_short_by_count_long_by_kv(counts, data, ctx):
 def test_pick_decode_matches_the_article_example():
     # GPU A: 20 requests, 40K KV; GPU B: 5 requests, 200K KV
     counts, kvs = [20, 5], [40_000, 200_000]
-    assert sim.pick_decode(counts, kvs, 2_000, 16384) == 1      # short -> fewer requests (B)
-    assert sim.pick_decode(counts, kvs, 40_000, 16384) == 0     # long -> less KV (A)
+    assert sim.policies.pick_decode(counts, kvs, 2_000, 16384) == 1      # short -> fewer requests (B)
+    assert sim.policies.pick_decode(counts, kvs, 40_000, 16384) == 0     # long -> less KV (A)
 
 
 # ---- prefix cache -------------------------------------------------------------------
@@ -111,7 +111,7 @@ def test_prefix_cache_invariants(cap, ops):
     for family, length, is_insert in ops:
         t += 1.0
         toks = [family * 1000 + i for i in range(length * 4)]
-        hs = sim.token_chain_hashes(toks, 4)
+        hs = sim.prefix_cache.token_chain_hashes(toks, 4)
         if is_insert:
             cache.insert(hs, t)
             assert cache.peek(hs, t) == min(len(hs), cap)    # a fresh chain is found whole
@@ -123,7 +123,7 @@ def test_prefix_cache_invariants(cap, ops):
         order = cache.lru_order()
         pos = {h: i for i, h in enumerate(order)}
         for f in range(6):
-            fh = sim.token_chain_hashes([f * 1000 + i for i in range(48)], 4)
+            fh = sim.prefix_cache.token_chain_hashes([f * 1000 + i for i in range(48)], 4)
             present = [h in cache for h in fh]
             assert present == sorted(present, reverse=True)  # a prefix of the chain, no holes
             cached = [h for h in fh if h in cache]
@@ -132,9 +132,9 @@ def test_prefix_cache_invariants(cap, ops):
 
 def test_prefix_cache_lru_evicts_least_recent_chain():
     cache = sim.PrefixCache(4, block_size=2)
-    a = sim.token_chain_hashes([1, 2, 3, 4], 2)
-    b = sim.token_chain_hashes([5, 6, 7, 8], 2)
-    c = sim.token_chain_hashes([9, 10, 11, 12], 2)
+    a = sim.prefix_cache.token_chain_hashes([1, 2, 3, 4], 2)
+    b = sim.prefix_cache.token_chain_hashes([5, 6, 7, 8], 2)
+    c = sim.prefix_cache.token_chain_hashes([9, 10, 11, 12], 2)
     cache.insert(a, 0.0)
     cache.insert(b, 1.0)
     assert cache.lookup(a, 2.0) == 2            # a becomes most recent
@@ -146,8 +146,8 @@ def test_prefix_cache_lru_evicts_least_recent_chain():
 @given(ttl_chat=st.floats(1, 100), ttl_agent=st.floats(1, 100), dt=st.floats(0, 200))
 def test_prefix_cache_ttl_per_retention_class(ttl_chat, ttl_agent, dt):
     cache = sim.PrefixCache(100, block_size=2, retention={"chat": ttl_chat, "agent": ttl_agent})
-    x = sim.token_chain_hashes([1, 2, 3, 4], 2)
-    y = sim.token_chain_hashes([5, 6, 7, 8], 2)
+    x = sim.prefix_cache.token_chain_hashes([1, 2, 3, 4], 2)
+    y = sim.prefix_cache.token_chain_hashes([5, 6, 7, 8], 2)
     cache.insert(x, 0.0, "chat")
     cache.insert(y, 0.0, "agent")
     assert cache.lookup(x, dt) == (2 if dt < ttl_chat else 0)
@@ -157,7 +157,7 @@ def test_prefix_cache_ttl_per_retention_class(ttl_chat, ttl_agent, dt):
 def test_retention_days_from_the_article():
     day = 86400.0
     cache = sim.PrefixCache(10, 2, retention={"agent": 3 * day, "chat": 7 * day})
-    h = sim.token_chain_hashes([1, 2], 2)
+    h = sim.prefix_cache.token_chain_hashes([1, 2], 2)
     cache.insert(h, 0.0, "agent")
     assert cache.peek(h, 3 * day - 1) == 1 and cache.peek(h, 3 * day) == 0
 
@@ -169,10 +169,10 @@ def test_segment_hashes_agree_with_token_hashes_on_prefix_equality(segs, segs2, 
     def expand(ss):
         return [(sid, i) for sid, n in ss for i in range(n)]
     t1, t2 = expand(segs), expand(segs2)
-    h1, h2 = sim.segment_chain_hashes(segs, bs), sim.segment_chain_hashes(segs2, bs)
+    h1, h2 = sim.prefix_cache.segment_chain_hashes(segs, bs), sim.prefix_cache.segment_chain_hashes(segs2, bs)
     assert len(h1) == len(t1) // bs
-    tok1 = sim.token_chain_hashes([hash(x) for x in t1], bs)
-    tok2 = sim.token_chain_hashes([hash(x) for x in t2], bs)
+    tok1 = sim.prefix_cache.token_chain_hashes([hash(x) for x in t1], bs)
+    tok2 = sim.prefix_cache.token_chain_hashes([hash(x) for x in t2], bs)
     for i in range(min(len(h1), len(h2))):
         assert (h1[i] == h2[i]) == (tok1[i] == tok2[i]) == (t1[:(i + 1) * bs] == t2[:(i + 1) * bs])
 
