@@ -1,13 +1,14 @@
 """Pure-functional DeepSeek-V2/V3 model code (MLA, MoE, latent KV cache, HF loading).
 
 Modules (imported on first use): ``mla``, ``moe``, ``transformer``, ``cache``, ``paged``, ``hf``,
-``initializers``, ``layer_scan``, ``dots``, ``moe_decode``, ``moe_dispatch``, ``checks``, ``params``.
+``hf_files``, ``initializers``, ``layer_scan``, ``dots``, ``moe_decode``, ``moe_dispatch``, ``checks``,
+``params``, ``sharding``.
 """
 
 import importlib
 
-MODULES = ("cache", "checks", "dots", "hf", "initializers", "layer_scan", "mla", "moe", "moe_decode",
-           "moe_dispatch", "paged", "params", "transformer")
+MODULES = ("cache", "checks", "dots", "hf", "hf_files", "initializers", "layer_scan", "mla", "moe", "moe_decode",
+           "moe_dispatch", "paged", "params", "sharding", "transformer")
 
 
 def __getattr__(name):

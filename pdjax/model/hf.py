@@ -5,7 +5,8 @@ HF stores ``nn.Linear`` weights as [out, in]; pdjax keeps [in, out] with heads s
 ``wk_b`` [C,H,K] and ``wv_b`` [C,H,V]. Routed experts use the published per-expert names
 ``mlp.experts.{e}.{gate,up,down}_proj.weight`` and are stacked to [E, ...].
 Block-FP8 tensors (``weight`` in float8 with ``weight_scale_inv`` per 128x128 block, as
-DeepSeek-V3 ships) are dequantised on load.
+DeepSeek-V3 ships) are dequantised on load. The safetensors files themselves are read and
+written by :mod:`pdjax.model.hf_files`.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from pdjax.config import PARAM_DTYPES, ModelConfig, dtype_name, load_hf_config
-
-FP8_BLOCK = 128
+# the safetensors files live in hf_files; importable here
+from pdjax.model.hf_files import (FP8_BLOCK, SafetensorsFile, _dequant_fp8, open_checkpoint,  # noqa: F401
+                                  write_safetensors)
+from pdjax.model.params import init_params, placement
 
 
 # ---- the name map -------------------------------------------------------------------------
@@ -202,118 +205,11 @@ def params_to_tensors(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
     return {k: np.ascontiguousarray(np.asarray(v)) for k, v in out.items()}
 
 
-# ---- files ------------------------------------------------------------------------------
+# ---- loading ----------------------------------------------------------------------------
 
-def _shard_files(path: str) -> list[str]:
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        try:
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"malformed {index}: {e}") from None
-        files = sorted(set(weight_map.values()))
-        for fn in files:
-            if not os.path.exists(os.path.join(path, fn)):
-                raise FileNotFoundError(f"{index} names shard {fn}, which is missing")
-        return [os.path.join(path, fn) for fn in files]
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {path}")
-    return [os.path.join(path, f) for f in files]
-
-
-def _st_dtypes():
-    import ml_dtypes
-    return {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-            "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
-            "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-            "BOOL": np.bool_}
-
-
-class SafetensorsFile:
-    """A safetensors file read through np.memmap (any dtype ml_dtypes knows: bf16, fp8).
-
-    The header is checked against the file size on open, so truncation is caught before
-    any tensor is read.
-    """
-
-    def __init__(self, file: str):
-        self.file = file
-        size = os.path.getsize(file)
-        with open(file, "rb") as f:
-            raw = f.read(8)
-            if len(raw) < 8:
-                raise ValueError(f"truncated safetensors file {file}: {size} bytes, no header")
-            n = int.from_bytes(raw, "little")
-            if 8 + n > size:
-                raise ValueError(f"truncated safetensors file {file}: header claims {n} bytes, file has {size}")
-            try:
-                header = json.loads(f.read(n))
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ValueError(f"corrupt safetensors header in {file}: {e}") from None
-        header.pop("__metadata__", None)
-        self.data_start = 8 + n
-        dtypes = _st_dtypes()
-        for name, info in header.items():
-            try:
-                dtype = np.dtype(dtypes[info["dtype"]])
-                begin, end = info["data_offsets"]
-                count = int(np.prod(info["shape"], dtype=np.int64))
-            except (KeyError, TypeError, ValueError) as e:
-                raise ValueError(f"corrupt safetensors header entry {name} in {file}: {e!r}") from None
-            if end - begin != count * dtype.itemsize:
-                raise ValueError(f"tensor {name} in {file}: {end - begin} bytes for shape "
-                                 f"{info['shape']} of {info['dtype']}")
-            if self.data_start + end > size:
-                raise ValueError(f"truncated safetensors file {file}: tensor {name} ends at byte "
-                                 f"{self.data_start + end}, file has {size}")
-            info["np_dtype"] = dtype
-        self.header = header
-
-    def keys(self):
-        return self.header.keys()
-
-    def get(self, name: str) -> np.ndarray:
-        info = self.header[name]
-        begin, _ = info["data_offsets"]
-        return np.memmap(self.file, dtype=info["np_dtype"], mode="r", offset=self.data_start + begin,
-                         shape=tuple(info["shape"]))
-
-
-def _dequant_fp8(w, scale_inv):
-    """Block-FP8: each 128x128 block of w is multiplied by its scale_inv entry."""
-    w = w.astype(np.float32)
-    s = np.repeat(np.repeat(scale_inv.astype(np.float32), FP8_BLOCK, 0), FP8_BLOCK, 1)
-    return w * s[: w.shape[0], : w.shape[1]]
-
-
-def load_hf(path: str, dtype=None, *, mesh=None, rules=None):
-    """Load a HF DeepSeek-V2/V3 checkpoint directory. Returns (cfg, params).
-
-    ``dtype``: the params' dtype (float32, bfloat16 or float16); default the checkpoint's own,
-    the dtype of its embedding (block-FP8 weights are dequantised to it). The returned
-    ``cfg.param_dtype`` is the dtype loaded; ``router_bias`` is float32 whatever it is.
-    ``mesh`` (a jax.sharding.Mesh, with optional :class:`pdjax.parallel.ShardingRules`):
-    the params are placed as :func:`pdjax.parallel.shard_params` would place them, straight
-    from the files: a sharded tensor is made with ``jax.make_array_from_callback`` and each
-    device reads only its part (e.g. only its experts), a replicated one is read once. Without
-    a mesh they go to the default device. Host memory holds one tensor (or one device's part)
-    at a time beyond the memory-mapped files.
-
-    Raises ValueError naming the tensor for any missing or unexpected tensor or shape
-    mismatch, and naming the file for a truncated or corrupt safetensors file, before any
-    tensor is read. Multi-token-prediction layers (index >= num_hidden_layers) are skipped
-    with a warning.
-    """
-    cfg = load_hf_config(path)
-    readers = {f: SafetensorsFile(f) for f in _shard_files(path)}
-    where: dict[str, str] = {}
-    for file, reader in readers.items():
-        for name in reader.keys():
-            if name in where:
-                raise ValueError(f"tensor {name} appears in both {where[name]} and {file}")
-            where[name] = file
+def _check_names(cfg: ModelConfig, path: str, readers: dict, where: dict) -> list[str]:
+    """Raise ValueError naming the first unexpected or missing tensor or shape mismatch;
+    return the multi-token-prediction tensors (layers >= num_hidden_layers), to skip."""
     expected = expected_tensors(cfg)
     mtp, unexpected = [], []
     for name in where:
@@ -334,47 +230,86 @@ def load_hf(path: str, dtype=None, *, mesh=None, rules=None):
         stored = tuple(readers[where[name]].header[name]["shape"])
         if stored != shape:
             raise ValueError(f"tensor {name} has shape {stored}, expected {shape}")
-    if dtype is None:
-        stored = readers[where["model.embed_tokens.weight"]].header["model.embed_tokens.weight"]["np_dtype"]
-        if stored.name not in PARAM_DTYPES:
-            raise ValueError(f"checkpoint {path} stores its embedding as {stored.name}; pass load_hf(..., "
-                             f"dtype=) one of {PARAM_DTYPES}")
-        dtype = stored
-    cfg = cfg.replace(param_dtype=dtype_name(dtype, "load_hf dtype", PARAM_DTYPES))
-    if mtp:
-        layers = sorted({int(n.split('.')[2]) for n in mtp})
-        warnings.warn(f"skipping multi-token-prediction layers {layers} ({len(mtp)} tensors)")
+    return mtp
 
+
+def _stored_dtype(path: str, readers: dict, where: dict):
+    """The dtype of the checkpoint's embedding, which must be a param dtype."""
+    stored = readers[where["model.embed_tokens.weight"]].header["model.embed_tokens.weight"]["np_dtype"]
+    if stored.name not in PARAM_DTYPES:
+        raise ValueError(f"checkpoint {path} stores its embedding as {stored.name}; pass load_hf(..., "
+                         f"dtype=) one of {PARAM_DTYPES}")
+    return stored
+
+
+def _getter(readers: dict, where: dict):
+    """``get(hf_name)``: the tensor as stored, block-FP8 dequantised."""
     def get(name):
         w = readers[where[name]].get(name)
         scale = name + "_scale_inv"
         if scale in where:
             w = _dequant_fp8(w, readers[where[scale]].get(scale))
         return w
+    return get
 
-    from pdjax.model.transformer import init_params
 
-    lazy = params_from_tensors(cfg, get, lazy=True)
+def _host(x, like):
+    """An owned array in the param's dtype, never a view of a file."""
+    x = np.asarray(x)
+    if x.dtype != like.dtype:
+        return x.astype(like.dtype)
+    return x if x.flags.owndata else x.copy()
+
+
+def _materialise(cfg: ModelConfig, lazy, mesh, rules):
+    """Read the :class:`Deferred` params onto the default device or, with a mesh, each straight
+    into its sharding (a sharded tensor part by part, each device reading only its part)."""
     # shapes and dtypes (router_bias float32) of the params, from the model's own definition
     shapes = jax.eval_shape(lambda key: init_params(cfg, key), jax.random.key(0))
-
-    def host(x, like):               # an owned array in the param's dtype, never a view of a file
-        x = np.asarray(x)
-        if x.dtype != like.dtype:
-            return x.astype(like.dtype)
-        return x if x.flags.owndata else x.copy()
-
     if mesh is None:
-        return cfg, jax.tree.map(lambda d, like: jnp.asarray(host(d.read(), like)), lazy, shapes)
-    from pdjax.parallel.mesh import param_shardings
+        return jax.tree.map(lambda d, like: jnp.asarray(_host(d.read(), like)), lazy, shapes)
 
     def place(d, like, sharding):
         if sharding.is_fully_replicated:
-            return jax.device_put(host(d.read(), like), sharding)
-        return jax.make_array_from_callback(like.shape, sharding, lambda index: host(d.read(index), like))
+            return jax.device_put(_host(d.read(), like), sharding)
+        return jax.make_array_from_callback(like.shape, sharding, lambda index: _host(d.read(index), like))
 
-    return cfg, jax.tree.map(place, lazy, shapes, param_shardings(shapes, cfg, mesh, rules))
+    return jax.tree.map(place, lazy, shapes, placement(shapes, cfg, mesh, rules))
 
+
+def load_hf(path: str, dtype=None, *, mesh=None, rules=None):
+    """Load a HF DeepSeek-V2/V3 checkpoint directory. Returns (cfg, params).
+
+    ``dtype``: the params' dtype (float32, bfloat16 or float16); default the checkpoint's own,
+    the dtype of its embedding (block-FP8 weights are dequantised to it). The returned
+    ``cfg.param_dtype`` is the dtype loaded; ``router_bias`` is float32 whatever it is.
+    ``mesh`` (a jax.sharding.Mesh, with optional ``rules``: :class:`pdjax.parallel.ShardingRules`
+    or any :class:`pdjax.model.sharding.AxisRules`, mapping the logical axes the model declares
+    for every weight): the params are placed as :func:`pdjax.parallel.shard_params` would place them, straight
+    from the files: a sharded tensor is made with ``jax.make_array_from_callback`` and each
+    device reads only its part (e.g. only its experts), a replicated one is read once. Without
+    a mesh they go to the default device. Host memory holds one tensor (or one device's part)
+    at a time beyond the memory-mapped files.
+
+    Raises ValueError naming the tensor for any missing or unexpected tensor or shape
+    mismatch, and naming the file for a truncated or corrupt safetensors file, before any
+    tensor is read. Multi-token-prediction layers (index >= num_hidden_layers) are skipped
+    with a warning.
+    """
+    cfg = load_hf_config(path)
+    readers, where = open_checkpoint(path)
+    mtp = _check_names(cfg, path, readers, where)
+    if dtype is None:
+        dtype = _stored_dtype(path, readers, where)
+    cfg = cfg.replace(param_dtype=dtype_name(dtype, "load_hf dtype", PARAM_DTYPES))
+    if mtp:
+        layers = sorted({int(n.split('.')[2]) for n in mtp})
+        warnings.warn(f"skipping multi-token-prediction layers {layers} ({len(mtp)} tensors)")
+    lazy = params_from_tensors(cfg, _getter(readers, where), lazy=True)
+    return cfg, _materialise(cfg, lazy, mesh, rules)
+
+
+# ---- saving -----------------------------------------------------------------------------
 
 def save_hf(path: str, params, cfg: ModelConfig, max_shard_bytes: int | None = None) -> None:
     """Write params as a HF checkpoint (config.json + safetensors, sharded with an index
@@ -383,31 +318,6 @@ def save_hf(path: str, params, cfg: ModelConfig, max_shard_bytes: int | None = N
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg.to_hf_dict(), f, indent=2)
     write_safetensors(path, params_to_tensors(cfg, params), max_shard_bytes)
-
-
-def write_safetensors(path: str, tensors: dict, max_shard_bytes: int | None = None) -> None:
-    """Write ``{name: numpy array}`` as ``model.safetensors``, or, with ``max_shard_bytes``,
-    as numbered shards of at most that size plus ``model.safetensors.index.json``."""
-    from safetensors.numpy import save_file
-
-    if max_shard_bytes is None:
-        save_file(tensors, os.path.join(path, "model.safetensors"))
-        return
-    shards, cur, size = [], {}, 0
-    for name, t in tensors.items():
-        if cur and size + t.nbytes > max_shard_bytes:
-            shards.append(cur)
-            cur, size = {}, 0
-        cur[name] = t
-        size += t.nbytes
-    shards.append(cur)
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        fn = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(path, fn))
-        weight_map.update({n: fn for n in shard})
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
 
 
 # ---- orbax -------------------------------------------------------------------------------

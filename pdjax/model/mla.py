@@ -30,6 +30,7 @@ import numpy as np
 from pdjax.config import ModelConfig, yarn_mscale
 from pdjax.model import dots
 from pdjax.model.initializers import scaled_normal
+from pdjax.model.sharding import declare, values
 
 
 # q_a_layernorm and kv_a_layernorm are built with the default eps in DeepSeek's reference and
@@ -210,25 +211,32 @@ def causal_mask(q_pos_BT, kv_len_S):
     return jnp.arange(kv_len_S)[None, None, :] <= q_pos_BT[:, :, None]
 
 
-def init_attention(cfg: ModelConfig, key, dtype):
+def attention_weights(cfg: ModelConfig, key, dtype) -> dict:
+    """One layer's attention weights, each with its logical axes
+    (:func:`pdjax.model.sharding.declare`)."""
     H, D, C, R = cfg.num_attention_heads, cfg.hidden_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     K, V = cfg.qk_nope_head_dim, cfg.v_head_dim
     ks = jax.random.split(key, 6)
 
-    def dense(k, shape, fan_in):
-        return scaled_normal(k, shape, fan_in ** -0.5, dtype)
+    def dense(k, shape, fan_in, axes):
+        return declare(scaled_normal(k, shape, fan_in ** -0.5, dtype), axes)
 
     p = {}
     if cfg.q_lora_rank is None:
-        p["wq"] = dense(ks[0], (D, H, K + R), D)
+        p["wq"] = dense(ks[0], (D, H, K + R), D, ("embed", "heads", None))
     else:
         Q = cfg.q_lora_rank
-        p["wq_a"] = dense(ks[0], (D, Q), D)
-        p["q_norm"] = jnp.ones((Q,), dtype)
-        p["wq_b"] = dense(ks[1], (Q, H, K + R), Q)
-    p["wkv_a"] = dense(ks[2], (D, C + R), D)
-    p["kv_norm"] = jnp.ones((C,), dtype)
-    p["wk_b"] = dense(ks[3], (C, H, K), C)
-    p["wv_b"] = dense(ks[4], (C, H, V), C)
-    p["wo"] = dense(ks[5], (H, V, D), H * V)
+        p["wq_a"] = dense(ks[0], (D, Q), D, ("embed", "q_lora"))
+        p["q_norm"] = declare(jnp.ones((Q,), dtype), ("q_lora",))
+        p["wq_b"] = dense(ks[1], (Q, H, K + R), Q, ("q_lora", "heads", None))
+    p["wkv_a"] = dense(ks[2], (D, C + R), D, ("embed", None))            # [latent | rope key]
+    p["kv_norm"] = declare(jnp.ones((C,), dtype), ("latent",))
+    p["wk_b"] = dense(ks[3], (C, H, K), C, ("latent", "heads", None))
+    p["wv_b"] = dense(ks[4], (C, H, V), C, ("latent", "heads", None))
+    p["wo"] = dense(ks[5], (H, V, D), H * V, ("heads", None, "embed"))
     return p
+
+
+def init_attention(cfg: ModelConfig, key, dtype):
+    """One layer's attention params (:func:`attention_weights` without the axes)."""
+    return values(attention_weights(cfg, key, dtype))

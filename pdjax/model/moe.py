@@ -39,6 +39,7 @@ import jax.numpy as jnp
 
 from pdjax.config import ModelConfig
 from pdjax.model.initializers import scaled_normal
+from pdjax.model.sharding import declare, values
 # COMBINE_SCOPE and swiglu live in moe_decode (the decode paths use them too); importable here
 from pdjax.model.moe_decode import COMBINE_SCOPE, few_tokens, swiglu  # noqa: F401
 from pdjax.model.moe_decode import combine as _combine
@@ -244,22 +245,38 @@ def moe(p, cfg: ModelConfig, x_ND, impl=None, valid_N=None):
     return y
 
 
-def init_mlp(key, D, F, dtype, leading=()):
+def mlp_weights(key, D, F, dtype, leading=(), leading_axes=()) -> dict:
+    """A SwiGLU MLP's weights with their logical axes (:func:`pdjax.model.sharding.declare`);
+    ``leading``: stacked dims in front (the routed experts: ``(E,)``, axes ``("experts",)``)."""
     k1, k2, k3 = jax.random.split(key, 3)
 
-    def dense(k, shape, fan_in):
-        return scaled_normal(k, leading + shape, fan_in ** -0.5, dtype)
+    def dense(k, shape, fan_in, axes):
+        return declare(scaled_normal(k, leading + shape, fan_in ** -0.5, dtype), leading_axes + axes)
 
-    return {"w_gate": dense(k1, (D, F), D), "w_up": dense(k2, (D, F), D), "w_down": dense(k3, (F, D), F)}
+    return {"w_gate": dense(k1, (D, F), D, ("embed", "mlp")), "w_up": dense(k2, (D, F), D, ("embed", "mlp")),
+            "w_down": dense(k3, (F, D), F, ("mlp", "embed"))}
+
+
+def init_mlp(key, D, F, dtype, leading=()):
+    """A SwiGLU MLP's params (:func:`mlp_weights` without the axes)."""
+    return values(mlp_weights(key, D, F, dtype, tuple(leading), (None,) * len(leading)))
+
+
+def moe_weights(cfg: ModelConfig, key, dtype) -> dict:
+    """One MoE layer's weights with their logical axes: the routed experts stacked on
+    "experts"; the router (every device gates its own tokens over all experts), its bias and
+    the shared experts whole on the expert dim."""
+    D, E, F = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
+    k_router, k_experts, k_shared = jax.random.split(key, 3)
+    p = mlp_weights(k_experts, D, F, dtype, (E,), ("experts",))
+    p["router"] = declare(scaled_normal(k_router, (D, E), D ** -0.5, dtype), ("embed", None))
+    if cfg.topk_method == "noaux_tc":
+        p["router_bias"] = declare(jnp.zeros((E,), jnp.float32), (None,))
+    if cfg.n_shared_experts:
+        p["shared"] = mlp_weights(k_shared, D, F * cfg.n_shared_experts, dtype)
+    return p
 
 
 def init_moe(cfg: ModelConfig, key, dtype):
-    D, E, F = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
-    k_router, k_experts, k_shared = jax.random.split(key, 3)
-    p = init_mlp(k_experts, D, F, dtype, leading=(E,))
-    p["router"] = scaled_normal(k_router, (D, E), D ** -0.5, dtype)
-    if cfg.topk_method == "noaux_tc":
-        p["router_bias"] = jnp.zeros((E,), jnp.float32)
-    if cfg.n_shared_experts:
-        p["shared"] = init_mlp(k_shared, D, F * cfg.n_shared_experts, dtype)
-    return p
+    """One MoE layer's params (:func:`moe_weights` without the axes)."""
+    return values(moe_weights(cfg, key, dtype))

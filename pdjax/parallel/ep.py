@@ -248,6 +248,10 @@ def ep_moe(p, cfg: ModelConfig, x_ND, ep: ExpertParallel, valid_N=None, routing=
     return ep_combine(y_rows, state, ep, x_ND.dtype), dropped
 
 
+#: logical axes of what :func:`place_experts` adds to a MoE layer's params: the replica tables, whole
+PLACEMENT_AXES = {"layers/*/moe/log2phy": (None, None), "layers/*/moe/logcnt": (None,)}
+
+
 def place_experts(params, phy2log) -> dict:
     """Params with routed experts laid out in physical slots: ``w[l] = w_logical[phy2log[l]]``
     for each MoE layer (phy2log [moe_layers, P], from EPLB), plus the inverse map

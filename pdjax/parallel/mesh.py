@@ -1,10 +1,11 @@
 """Meshes and logical-axis sharding rules.
 
 A mesh is built from a dict of axis sizes (names are the caller's). Params and activations
-name *logical* axes ("experts", "batch", ...); :class:`ShardingRules` maps each logical axis
-to mesh axes. The default rules are DeepSeek's serving layout: routed experts over the
-"expert" axis, attention and dense weights replicated, and the batch over data x expert for
-attention (DP attention), so every device attends over its own requests.
+name *logical* axes ("experts", "batch", ...; every weight's are declared where the model
+makes it, :mod:`pdjax.model.sharding`); :class:`ShardingRules` maps each logical axis to mesh
+axes. The default rules are DeepSeek's serving layout: routed experts over the "expert" axis,
+attention and dense weights replicated, and the batch over data x expert for attention (DP
+attention), so every device attends over its own requests.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from pdjax.config import ModelConfig
+from pdjax.model import params as model_params, sharding as model_sharding
+from pdjax.model.sharding import LOGICAL_AXES
+from pdjax.parallel.ep import PLACEMENT_AXES
 
 
 def make_mesh(axes: Mapping[str, int], devices: Sequence | None = None) -> Mesh:
@@ -43,12 +47,10 @@ def make_mesh(axes: Mapping[str, int], devices: Sequence | None = None) -> Mesh:
     return Mesh(grid, tuple(axes), axis_types=(AxisType.Auto,) * len(axes))
 
 
-LOGICAL_AXES = ("batch", "experts", "vocab", "embed", "heads", "mlp", "latent")
-
-
 @dataclasses.dataclass(frozen=True)
 class ShardingRules:
-    """Logical axis -> mesh axes (a tuple; empty = replicated). Printable, overridable.
+    """Logical axis -> mesh axes (a tuple; empty = replicated). Printable, overridable; the
+    rules ``init_params`` and ``load_hf`` take (:class:`pdjax.model.sharding.AxisRules`).
 
     ``ShardingRules.default(mesh)`` puts "experts" on the "expert" axis (if the mesh has
     one) and "batch" on every data-like axis (all mesh axes: DP attention).
@@ -97,33 +99,24 @@ class ShardingRules:
         return "\n".join(f"{k:>8} -> {', '.join(v) if v else '(replicated)'}" for k, v in self.rules)
 
 
-def param_logical_axes(params) -> dict:
-    """A pytree like params holding each leaf's logical axes (tuple of names/None)."""
-    def axes(path, leaf):
-        keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
-        if "moe" in keys and keys[-1] in ("w_gate", "w_up", "w_down") and "shared" not in keys:
-            return ("experts",) + (None,) * (leaf.ndim - 1)
-        return (None,) * leaf.ndim
-    return jax.tree_util.tree_map_with_path(axes, params)
+def param_logical_axes(params, cfg: ModelConfig) -> dict:
+    """A pytree like params holding each leaf's logical axes (tuple of names/None), as the
+    model declares them (:func:`pdjax.model.params.logical_axes`; EPLB's replica tables from
+    :func:`pdjax.parallel.place_experts` whole). Raises ValueError naming a param the model
+    does not declare."""
+    return model_params.logical_axes(params, cfg, extra=PLACEMENT_AXES)
 
 
 def param_shardings(params, cfg: ModelConfig, mesh: Mesh, rules: ShardingRules | None = None):
-    """The NamedSharding of every param by the rules (routed experts over the expert axis,
-    everything else replicated by default), as a pytree like ``params``. ``params`` may hold
-    arrays or jax.ShapeDtypeStruct (only paths and ranks are read), so an init or a checkpoint
-    load can be placed before any value exists. Raises ValueError when the experts do not
-    divide over the expert axes."""
+    """The NamedSharding of every param by the rules applied to the model's logical axes
+    (default: routed experts over the expert axis, everything else replicated), as a pytree
+    like ``params`` (all of the params or a part). ``params`` may hold arrays or
+    jax.ShapeDtypeStruct (only paths and shapes are read), so an init or a checkpoint load can
+    be placed before any value exists. Raises ValueError naming the param when one has no
+    logical-axis declaration or a sharded dim (e.g. the experts) does not divide over its
+    mesh axes."""
     rules = rules or ShardingRules.default(mesh)
-    rules.check(mesh)
-    n = rules.size(mesh, "experts")
-    for lp in params["layers"]:
-        if "moe" in lp:
-            e = lp["moe"]["w_gate"].shape[0]
-            if e % n:
-                raise ValueError(f"{e} (physical) experts do not divide over the expert axes "
-                                 f"{rules.axes('experts')} of size {n}")
-    return jax.tree.map(lambda ax: NamedSharding(mesh, rules.spec(*ax)), param_logical_axes(params),
-                        is_leaf=lambda x: isinstance(x, tuple))
+    return model_sharding.shardings(params, param_logical_axes(params, cfg), mesh, rules)
 
 
 def shard_params(params, cfg: ModelConfig, mesh: Mesh, rules: ShardingRules | None = None):
