@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: $(VENV)/.installed
-	$(PY) -m pdjax run experiments/quickstart.toml
+	$(PY) -m pdjax run quickstart
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 --dist loadfile

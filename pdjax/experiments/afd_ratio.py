@@ -18,62 +18,100 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
-from pdjax.analysis import afd_min_microbatches, afd_speedup, attention_share, hardware, param_counts
-from pdjax.experiments import progress, schema
+from pdjax.analysis import afd_min_microbatches, afd_speedup, hardware, param_counts
+from pdjax.analysis.afd import attention_share
+from pdjax.configs import PRESETS
+from pdjax.experiments import progress
 from pdjax.experiments.results import Result, markdown_table
-from pdjax.experiments.runner import with_defaults
+from pdjax.experiments.schema import Header, knob, table
 from pdjax.sim.afd import AFDStepModel
 from pdjax.sim.cost import LinearStepCost
 
-DEFAULTS = {
-    "model": {"preset": "deepseek_v3"},
-    "hardware": {"attention": "h200", "ffn": "h800", "baseline": "h800", "dtype": "fp8", "baseline_ep": 32,
-                 "cost": "roofline",
-                 "exchange_gbps": 50.0, "mfu": 1.0, "mbu": 1.0, "max_batch": 0},
-    "sweep": {"attention": [16, 24, 32, 48, 64, 80, 96, 128], "ffn": 16, "contexts": [4096, 16384],
-              "microbatches": 2},
-    "measured": {"preset": "tiny", "attention": 4, "ffn": 4, "microbatches": [1, 2, 3], "slots": 24,
-                 "prompt_len": 16, "new_tokens": 40, "baseline": True, "seed": 0},
-}
-CONFIG = schema.from_defaults("afd_ratio", DEFAULTS)
+MAX_MICROBATCHES = 4           # the AFDEngine's ping-pong micro-batches
 
 
-def check(cfg: dict) -> None:
-    """Raise ValueError naming the first bad key of a resolved afd_ratio config (before anything
-    runs): hardware names and limits, sweep counts, the measured run's sizes."""
-    from pdjax.configs import PRESETS
-    hw, sw, ms = cfg["hardware"], cfg["sweep"], cfg["measured"]
-    for key, name in (("model.preset", cfg["model"]["preset"]), ("measured.preset", ms["preset"])):
-        if name not in PRESETS:
-            raise ValueError(f"{key}: must be one of {', '.join(PRESETS)}, got {name!r}")
-    for k in ("attention", "ffn", "baseline"):
-        try:
-            hardware(hw[k])
-        except ValueError as e:
-            raise ValueError(f"hardware.{k}: {e}") from None
-    if hw["cost"] not in ("roofline", "linear"):
-        raise ValueError(f"hardware.cost: must be roofline or linear, got {hw['cost']!r}")
-    if hw["dtype"] not in ("bf16", "fp8"):
-        raise ValueError(f"hardware.dtype: must be bf16 or fp8, got {hw['dtype']!r}")
-    for key, v, ok in (("hardware.exchange_gbps", hw["exchange_gbps"], hw["exchange_gbps"] > 0),
-                       ("hardware.mfu", hw["mfu"], 0 < hw["mfu"] <= 1), ("hardware.mbu", hw["mbu"], 0 < hw["mbu"] <= 1),
-                       ("hardware.max_batch", hw["max_batch"], hw["max_batch"] >= 0),
-                       ("hardware.baseline_ep", hw["baseline_ep"], hw["baseline_ep"] >= 1),
-                       ("sweep.attention", sw["attention"], sw["attention"] and min(sw["attention"]) >= 1),
-                       ("sweep.ffn", sw["ffn"], sw["ffn"] >= 1),
-                       ("sweep.contexts", sw["contexts"], sw["contexts"] and min(sw["contexts"]) >= 1),
-                       ("sweep.microbatches", sw["microbatches"], sw["microbatches"] >= 1),
-                       ("measured.attention", ms["attention"], ms["attention"] >= 1),
-                       ("measured.ffn", ms["ffn"], ms["ffn"] >= 1),
-                       ("measured.microbatches", ms["microbatches"],
-                        ms["microbatches"] and all(1 <= m <= 4 for m in ms["microbatches"])),
-                       ("measured.slots", ms["slots"], ms["slots"] >= 1),
-                       ("measured.new_tokens", ms["new_tokens"], ms["new_tokens"] >= ms["slots"] + 3)):
-        if not ok:
-            raise ValueError(f"{key}: out of range, got {v!r}"
-                             + (" (at least measured.slots + 3)" if key == "measured.new_tokens" else ""))
+@dataclasses.dataclass(frozen=True)
+class Model:
+    preset: str = knob("deepseek_v3", choices=PRESETS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    attention: str = "h200"      # bandwidth-rich (reads the KV cache)
+    ffn: str = "h800"            # FLOP-rich (runs the experts)
+    baseline: str = "h800"       # colocated instances of baseline_ep accelerators holding every weight
+    dtype: str = knob("fp8", choices=("bf16", "fp8"))
+    baseline_ep: int = knob(32, minimum=1)
+    cost: str = knob("roofline", choices=("roofline", "linear"))
+    exchange_gbps: float = knob(50.0, above=0)
+    mfu: float = knob(1.0, above=0)
+    mbu: float = knob(1.0, above=0)
+    max_batch: int = knob(0, minimum=0)
+
+    def __post_init__(self):
+        for key in ("attention", "ffn", "baseline"):
+            try:
+                hardware(getattr(self, key))
+            except ValueError as e:
+                raise ValueError(f"{key}: {e}") from None
+        for key in ("mfu", "mbu"):
+            if getattr(self, key) > 1:
+                raise ValueError(f"{key}: out of range, got {getattr(self, key)!r} (a fraction of peak, at most 1)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    attention: list[int] = knob([16, 24, 32, 48, 64, 80, 96, 128], minimum=1, nonempty=True)   # M
+    ffn: int = knob(16, minimum=1)                                                          # N
+    contexts: list[int] = knob([4096, 16384], minimum=1, nonempty=True)
+    microbatches: int = knob(2, minimum=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    preset: str = knob("tiny", choices=PRESETS)
+    attention: int = knob(4, minimum=1)
+    ffn: int = knob(4, minimum=1)
+    microbatches: list[int] = knob([1, 2, 3], minimum=1, nonempty=True)
+    slots: int = knob(24, minimum=1)
+    prompt_len: int = knob(16, minimum=1)
+    new_tokens: int = knob(40, minimum=1)
+    baseline: bool = True
+    seed: int = 0
+
+    def __post_init__(self):
+        if max(self.microbatches) > MAX_MICROBATCHES:
+            raise ValueError(f"microbatches: out of range, got {self.microbatches!r} (each in 1..{MAX_MICROBATCHES})")
+        if self.new_tokens < self.slots + 3:
+            raise ValueError(f"new_tokens: out of range, got {self.new_tokens!r} (at least measured.slots + 3)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config(Header):
+    model: Model = table(Model)
+    hardware: Hardware = table(Hardware)
+    sweep: Sweep = table(Sweep)
+    measured: Measured = table(Measured)
+
+    def __post_init__(self):
+        super().__post_init__()
+        import pdjax
+        ms = self.measured
+        experts = pdjax.configs.preset(ms.preset).n_routed_experts
+        if experts % ms.ffn:
+            raise ValueError(f"measured.ffn: the {ms.preset} model's {experts} routed experts do not divide over "
+                             f"{ms.ffn} FFN devices")
+        for m in ms.microbatches:      # each of m micro-batches on each attention rank, its rows over the FFN ranks
+            unit = m * math.lcm(ms.attention, ms.ffn)
+            if ms.slots * self.scale % unit:
+                raise ValueError(f"measured.slots: x scale ({ms.slots * self.scale}) must be a multiple of "
+                                 f"m x lcm(attention, ffn) = {unit} for m = {m}")
+
+    def devices_needed(self) -> int:
+        return self.measured.attention + self.measured.ffn
 
 
 class SplitCost:
@@ -102,43 +140,43 @@ def _batch(capacity, context: int, cap: int) -> int:
     return min(b, cap) if cap > 0 else b
 
 
-def cost_models(model_cfg, hw: dict) -> tuple:
-    """(attention, FFN, baseline) cost models of ``hw``'s accelerators (``hw["cost"]``:
+def cost_models(model_cfg, hw: Hardware) -> tuple:
+    """(attention, FFN, baseline) cost models of ``hw``'s accelerators (``hw.cost``:
     "roofline" = :class:`pdjax.analysis.costmodel.RooflineCostModel`, each op max(compute,
     memory), the experts a step touches; "linear" = :class:`LinearStepCost`, memory floor plus
     compute, every expert read each micro-batch) and the KV tokens an attention accelerator
     and a baseline instance hold (from :meth:`LinearStepCost.from_roofline`)."""
     from pdjax.analysis.costmodel import Efficiency, RooflineCostModel
-    rl = {"dtype": hw["dtype"], "mfu": hw["mfu"], "mbu": hw["mbu"]}
-    lin_a = LinearStepCost.from_roofline(model_cfg, hw["attention"], **rl)
-    lin_b = LinearStepCost.from_roofline(model_cfg, hw["baseline"], ep_size=hw["baseline_ep"], **rl)
+    rl = {"dtype": hw.dtype, "mfu": hw.mfu, "mbu": hw.mbu}
+    lin_a = LinearStepCost.from_roofline(model_cfg, hw.attention, **rl)
+    lin_b = LinearStepCost.from_roofline(model_cfg, hw.baseline, ep_size=hw.baseline_ep, **rl)
     caps = (lin_a.kv_capacity_attention, lin_b.kv_capacity)
-    if hw["cost"] == "linear":
-        return lin_a, LinearStepCost.from_roofline(model_cfg, hw["ffn"], **rl), lin_b, caps
-    eff = Efficiency(matmul=hw["mfu"], attention=hw["mfu"], hbm=hw["mbu"])
+    if hw.cost == "linear":
+        return lin_a, LinearStepCost.from_roofline(model_cfg, hw.ffn, **rl), lin_b, caps
+    eff = Efficiency(matmul=hw.mfu, attention=hw.mfu, hbm=hw.mbu)
     rf = {"dtype_bytes": lin_a.act_bytes, "efficiency": eff}
-    return (RooflineCostModel(model_cfg, hw["attention"], **rf), RooflineCostModel(model_cfg, hw["ffn"], **rf),
-            RooflineCostModel(model_cfg, hw["baseline"], ep_size=hw["baseline_ep"], **rf), caps)
+    return (RooflineCostModel(model_cfg, hw.attention, **rf), RooflineCostModel(model_cfg, hw.ffn, **rf),
+            RooflineCostModel(model_cfg, hw.baseline, ep_size=hw.baseline_ep, **rf), caps)
 
 
-def sim_rows(model_cfg, hw: dict, sweep: dict) -> tuple[list[dict], list[str]]:
+def sim_rows(model_cfg, hw: Hardware, sweep: Sweep) -> tuple[list[dict], list[str]]:
     """One row per (context, M) of the simulated sweep (see the module docstring), and notes
     on the ratios left out (weights that do not fit)."""
     c_attn, c_ffn, c_base, (cap_a, cap_b) = cost_models(model_cfg, hw)
     counts = param_counts(model_cfg)
-    ffn_bytes = (counts.routed_experts + counts.shared_experts + counts.dense_mlp) * (1 if hw["dtype"] == "fp8" else 2)
-    N, m, L, ep = sweep["ffn"], sweep["microbatches"], model_cfg.num_hidden_layers, hw["baseline_ep"]
-    if ffn_bytes / N > hardware(hw["ffn"]).hbm_bytes:
-        return [], [f"the FFN weights ({ffn_bytes / 1e9:.0f} GB) do not fit on {N} x {hw['ffn']}"]
+    ffn_bytes = (counts.routed_experts + counts.shared_experts + counts.dense_mlp) * (1 if hw.dtype == "fp8" else 2)
+    N, m, L, ep = sweep.ffn, sweep.microbatches, model_cfg.num_hidden_layers, hw.baseline_ep
+    if ffn_bytes / N > hardware(hw.ffn).hbm_bytes:
+        return [], [f"the FFN weights ({ffn_bytes / 1e9:.0f} GB) do not fit on {N} x {hw.ffn}"]
     rows, notes = [], []
-    for ctx in sweep["contexts"]:
-        b_a, b_b = _batch(cap_a, ctx, hw["max_batch"]), _batch(cap_b, ctx, hw["max_batch"])
+    for ctx in sweep.contexts:
+        b_a, b_b = _batch(cap_a, ctx, hw.max_batch), _batch(cap_b, ctx, hw.max_batch)
         if not b_a or not b_b:
             notes.append(f"context {ctx}: no request fits (attention {b_a}, colocated {b_b})")
             continue
         t_base = c_base.decode_step_time([ctx] * b_b)
-        for M in sweep["attention"]:
-            sm = AFDStepModel(SplitCost(c_attn, c_ffn), N, m, exchange_bw=hw["exchange_gbps"] * 1e9, num_layers=L)
+        for M in sweep.attention:
+            sm = AFDStepModel(SplitCost(c_attn, c_ffn), N, m, exchange_bw=hw.exchange_gbps * 1e9, num_layers=L)
             t_afd = sm.step_time([[ctx] * b_a] * M)
             t_a, t_f, t_c = sm.last
             gains = (b_a / (b_b / ep), t_base / t_afd, attention_share(M, N))
@@ -153,46 +191,44 @@ def sim_rows(model_cfg, hw: dict, sweep: dict) -> tuple[list[dict], list[str]]:
     return rows, notes
 
 
-def run_afd_ratio(cfg: dict, out_dir: str) -> Result:
-    """The simulated M:N sweep and the measured small-scale run (see the module docstring)."""
+def _measure(ms: Measured, scale: int) -> dict:
+    """The measured run (:func:`pdjax.experiments.afd_measure.measure_afd`) of ``ms``."""
     import jax
 
     import pdjax
     from pdjax.experiments.afd_measure import measure_afd
-    c = with_defaults(cfg, DEFAULTS, "afd_ratio")
-    scale, ms = cfg.get("scale", 1), c["measured"]
-    sim, notes = sim_rows(pdjax.configs.preset(c["model"]["preset"]), c["hardware"], c["sweep"])
-    if jax.device_count() < ms["attention"] + ms["ffn"]:
-        raise ValueError(f"afd_ratio's measured run needs {ms['attention'] + ms['ffn']} devices, got "
-                         f"{jax.device_count()} (XLA_FLAGS=--xla_force_host_platform_device_count=8; `pdjax run` "
-                         "sets it)")
-    mcfg = pdjax.configs.preset(ms["preset"])
-    params = pdjax.init_params(mcfg, jax.random.key(ms["seed"]))
-    measured = measure_afd(params, mcfg, attention=ms["attention"], ffn=ms["ffn"], microbatches=ms["microbatches"],
-                           slots=ms["slots"] * scale, prompt_len=ms["prompt_len"],
-                           new_tokens=ms["new_tokens"] * scale, baseline=ms["baseline"], seed=ms["seed"],
-                           progress=progress.track)
+    mcfg = pdjax.configs.preset(ms.preset)
+    params = pdjax.init_params(mcfg, jax.random.key(ms.seed))
+    return measure_afd(params, mcfg, attention=ms.attention, ffn=ms.ffn, microbatches=ms.microbatches,
+                       slots=ms.slots * scale, prompt_len=ms.prompt_len, new_tokens=ms.new_tokens * scale,
+                       baseline=ms.baseline, seed=ms.seed, progress=progress.track)
+
+
+def run(c: Config, out_dir: str) -> Result:
+    """The simulated M:N sweep and the measured small-scale run (see the module docstring)."""
+    import jax
+
+    import pdjax
+    ms, hw = c.measured, c.hardware
+    sim, notes = sim_rows(pdjax.configs.preset(c.model.preset), hw, c.sweep)
+    measured = _measure(ms, c.scale)
     mrows = measured["rows"]
-    fig = _plot(sim, mrows, c)
-    headline = _headline(sim, mrows)
-    body = (f"Simulated: {c['model']['preset']} {c['hardware']['dtype']}, attention on {c['hardware']['attention']}, "
-            f"FFN on {c['hardware']['ffn']}, baseline colocated on {c['hardware']['baseline_ep']} x "
-            f"{c['hardware']['baseline']}; {c['hardware']['cost']} cost model (mfu {c['hardware']['mfu']:g}, "
-            f"mbu {c['hardware']['mbu']:g}).\n\n"
-            + markdown_table(sim) + ("\n\n" + "; ".join(notes) if notes else "")
-            + f"\n\nMeasured on {jax.device_count()} {jax.devices()[0].platform} devices ({ms['preset']} model, "
+    body = (f"Simulated: {c.model.preset} {hw.dtype}, attention on {hw.attention}, FFN on {hw.ffn}, baseline "
+            f"colocated on {hw.baseline_ep} x {hw.baseline}; {hw.cost} cost model (mfu {hw.mfu:g}, mbu {hw.mbu:g})."
+            "\n\n" + markdown_table(sim) + ("\n\n" + "; ".join(notes) if notes else "")
+            + f"\n\nMeasured on {jax.device_count()} {jax.devices()[0].platform} devices ({ms.preset} model, "
             f"baseline colocated step {measured['baseline_step_ms'] or math.nan:.2f} ms):\n\n" + markdown_table(mrows)
             + "\n\nOn XLA:CPU the attention and FFN programs run one at a time in issue order: the issue-order "
               "model is the one to hold a CPU measurement against; the overlap model (AFDStepModel) assumes the "
               "two sides run at the same time, as on GPUs.")
     models = ("issue_order", "overlap")
-    return Result("AF disaggregation: M:N ratio and a measured run", headline,
+    return Result("AF disaggregation: M:N ratio and a measured run", _headline(sim, mrows),
                   metrics={"rows": sim, "notes": notes},
                   wall_clock={"measured": mrows, "baseline_step_ms": measured["baseline_step_ms"],
                               "step_error_pct": {f"m={r['m']}": {k: r[f"err_{k}_pct"] for k in models}
                                                  for r in mrows}},
                   tables={"afd_ratio": sim, "afd_measured": mrows}, measured_tables=("afd_measured",),
-                  figures={"afd_ratio": fig}, body=body)
+                  figures={"afd_ratio": _plot(sim, mrows, c)}, body=body)
 
 
 def _headline(sim: list[dict], mrows: list[dict]) -> str:
@@ -207,7 +243,7 @@ def _headline(sim: list[dict], mrows: list[dict]) -> str:
     return "; ".join(parts) + f"; measured step vs the issue-order model: {err}"
 
 
-def _plot(sim: list[dict], mrows: list[dict], c: dict):
+def _plot(sim: list[dict], mrows: list[dict], c: Config):
     from matplotlib.figure import Figure
     fig = Figure(figsize=(11, 4))
     ax, bx = fig.subplots(1, 2)
@@ -218,8 +254,8 @@ def _plot(sim: list[dict], mrows: list[dict], c: dict):
     ax.axhline(0, color="grey", lw=1)
     ax.set_xlabel("M attention : N FFN accelerators")
     ax.set_ylabel("AFD gain per accelerator (%)\nabove 0: AFD wins")
-    ax.set_title(f"{c['model']['preset']}: {c['hardware']['attention']} attention, {c['hardware']['ffn']} FFN, "
-                 f"m = {c['sweep']['microbatches']}")
+    ax.set_title(f"{c.model.preset}: {c.hardware.attention} attention, {c.hardware.ffn} FFN, "
+                 f"m = {c.sweep.microbatches}")
     ax.legend(fontsize=8)
     xs = range(len(mrows))
     for k, (key, label) in enumerate((("step_measured_ms", "measured"), ("step_issue_order_ms", "issue-order model"),

@@ -1,14 +1,17 @@
 """Command line (also ``python -m pdjax``):
 
-    pdjax run experiments/quickstart.toml [--set table.key=value ...] [--runs-dir runs] [--quiet]
+    pdjax run <experiment or path.toml> [--set table.key=value ...] [--runs-dir runs] [--quiet]
     pdjax report runs/<name>/<timestamp>
-    pdjax list [experiments]
+    pdjax list [directory]
 
-``run`` checks the config against its experiment's schema (an error names the key and
-exits with status 2 before anything runs), runs it into runs/<name>/<timestamp>/ (config.json,
-metrics.json, CSV tables, PNG and SVG plots, report.md) with progress bars on stderr, and
-prints the report. ``--quiet``: no progress bars and only the report's path on stdout.
-``report`` rebuilds a run directory's report.md from its saved files.
+``run`` takes an experiment's name (``pdjax list`` shows them: the configs that ship with
+pdjax, runnable from any directory) or a path to a TOML file. It checks the config against
+its experiment's schema (an error names the key and exits with status 2 before anything
+runs), runs it into runs/<name>/<timestamp>/ (config.json, metrics.json, CSV tables, PNG and
+SVG plots, report.md) with progress bars on stderr, and prints the report. A run that fails
+after that leaves its directory marked FAILED and exits with status 1. ``--quiet``: no
+progress bars and only the report's path on stdout. ``report`` rebuilds a run directory's
+report.md from its saved files (or says that the run failed).
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="pdjax", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    p_run = sub.add_parser("run", help="run an experiment config (TOML)")
-    p_run.add_argument("config", help="path to an experiments/*.toml file")
+    p_run = sub.add_parser("run", help="run an experiment (its name, or a TOML config)")
+    p_run.add_argument("config", help="an experiment name (pdjax list) or a path to a TOML config")
     p_run.add_argument("--runs-dir", default="runs", help="where run directories go (default: runs)")
     p_run.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE",
                        help="override a config value (TOML syntax: 8, 0.5, true, [1, 2], \"1f1b\"); repeatable; "
@@ -32,8 +35,8 @@ def main(argv=None) -> int:
                        help="no progress bars; print only the report's path")
     p_report = sub.add_parser("report", help="rebuild a run directory's report.md from its saved files")
     p_report.add_argument("run_dir", help="a run directory, runs/<name>/<timestamp>")
-    p_list = sub.add_parser("list", help="list the experiment configs, one line each")
-    p_list.add_argument("directory", nargs="?", default="experiments")
+    p_list = sub.add_parser("list", help="list the experiments that ship with pdjax (or a directory's configs)")
+    p_list.add_argument("directory", nargs="?", default=None)
     sub.add_parser("serve", add_help=False,
                    help="one role of the two-process PD server (see pdjax serve --help)")
     args, rest = parser.parse_known_args(argv)
@@ -48,37 +51,55 @@ def main(argv=None) -> int:
         from pdjax.disagg.serve import main as serve
         return serve(rest)
     if args.command == "list":
-        from pdjax.experiments.runner import list_experiments
-        try:
-            rows = list_experiments(args.directory)
-        except FileNotFoundError:
-            print(f"pdjax: no directory {args.directory}", file=sys.stderr)
-            return 2
-        width = max((len(r[0]) for r in rows), default=0)
-        for path, kind, description in rows:
-            print(f"{path:<{width}}  {kind:<22} {description}")
-        return 0
+        return _list(args.directory)
     if args.command == "report":
-        from pdjax.experiments.runner import report
-        try:
-            path = report(args.run_dir)
-        except FileNotFoundError as e:
-            print(f"pdjax: {e}", file=sys.stderr)
-            return 2
-        print(f"report: {path}")
-        return 0
-    if args.command == "run":
-        from pdjax.experiments.runner import run
-        try:
-            run_dir, result = run(args.config, args.runs_dir, args.set, show_progress=not args.quiet)
-        except (ValueError, FileNotFoundError) as e:
-            print(f"pdjax: {e}", file=sys.stderr)
-            return 2
-        if not args.quiet:
-            print(f"# {result.title}\n\n{result.headline}\n\n{result.body}\n")
-        print(f"report: {os.path.join(run_dir, 'report.md')}")
+        return _report(args.run_dir)
+    return _run(args)
+
+
+def _list(directory) -> int:
+    from pdjax.experiments.runner import list_experiments
+    try:
+        rows = list_experiments(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        print(f"pdjax: no directory {directory}", file=sys.stderr)
+        return 2
+    width = max((len(r[0]) for r in rows), default=0)
+    for where, kind, description in rows:
+        print(f"{where:<{width}}  {kind:<22} {description}")
     return 0
 
+
+def _report(run_dir: str) -> int:
+    from pdjax.experiments.runner import report
+    from pdjax.experiments.rundir import RunFailed
+    try:
+        path = report(run_dir)
+    except FileNotFoundError as e:
+        print(f"pdjax: {e}", file=sys.stderr)
+        return 2
+    except RunFailed as e:
+        print(f"pdjax: {e}", file=sys.stderr)
+        return 1
+    print(f"report: {path}")
+    return 0
+
+
+def _run(args) -> int:
+    from pdjax.experiments.runner import run
+    from pdjax.experiments.rundir import RunFailed
+    try:
+        run_dir, result = run(args.config, args.runs_dir, args.set, show_progress=not args.quiet)
+    except (ValueError, FileNotFoundError) as e:          # before the run directory exists
+        print(f"pdjax: {e}", file=sys.stderr)
+        return 2
+    except RunFailed as e:
+        print(f"pdjax: {args.config}: {e}", file=sys.stderr)
+        return 1
+    if not args.quiet:
+        print(f"# {result.title}\n\n{result.headline}\n\n{result.body}\n")
+    print(f"report: {os.path.join(run_dir, 'report.md')}")
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -6,110 +6,91 @@ rank), times every op in isolation and simulates the schedule with those times a
 executor's byte model. ``[run] processes = true`` (the default) runs each rank in a process
 of its own pinned to one CPU core (:class:`pdjax.pipeline.RankProcesses`), so ranks do not
 share cores; ``false`` runs every rank as a thread of this process (on accelerators, where
-a rank is a device). The run directory gets ``<schedule>.png`` (measured over simulated
-Gantt chart, one time axis), ``executed_bubbles.csv`` / ``executed_bubbles.json`` (one row
-per schedule) and ``report.md``.
+a rank is a device). The run directory gets ``<schedule>.png`` / ``.svg`` (measured over
+simulated Gantt chart, one time axis), ``executed_bubbles.csv`` (one row per schedule),
+``executed_bubbles.json`` (the rows with every step's makespan and the per-op costs) and
+``report.md``. Times are measured (``wall_clock``); the shapes and the measured and
+simulated peak bytes are reproducible (``metrics``).
 
-``[run] scale`` (a positive int) multiplies the model width (hidden size, FFN and expert
-FFN sizes, LoRA ranks, attention heads), the sequence length and the rows per micro-batch,
-so the same config runs larger on real accelerators unchanged: ``scale = 1`` is sized for
-a 2-core CPU, ``scale = 8`` gives ``small``-preset widths with 256-token sequences.
+``scale`` (a positive int) multiplies the model width (hidden size, FFN and expert FFN
+sizes, LoRA ranks, attention heads), the sequence length and the rows per micro-batch, so
+the same config runs larger on real accelerators unchanged: ``scale = 1`` is sized for a
+2-core CPU, ``scale = 8`` gives ``small``-preset widths with 256-token sequences.
 """
 
 from __future__ import annotations
 
-import csv
+import dataclasses
 import json
+import math
 import os
 
+from pdjax.configs import PRESETS
 from pdjax.experiments import progress
-from pdjax.experiments.runner import with_defaults
+from pdjax.experiments.results import Result, markdown_table
+from pdjax.experiments.schema import Header, knob, table
+from pdjax.schedules.generators import GENERATORS, build
 
-DEFAULTS = {
-    "run": {"schedules": ["1f1b", "zb1p", "dualpipe", "dualpipev"], "ranks": 2, "microbatches": 8,
-            "repeats": 3, "op_repeats": 3, "scale": 1, "processes": True},
-    "model": {"preset": "tiny", "layers": 4, "dense_layers": 1, "seed": 0},
-    "batch": {"rows": 4, "seq_len": 32, "seed": 1},
-}
-TOP_LEVEL = {"kind", "name", "description"}
 WIDTH_FIELDS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "q_lora_rank",
                 "kv_lora_rank", "num_attention_heads")
+#: The reproducible columns of a row (the rest are measured times).
+REPRODUCIBLE = ("schedule", "P", "ranks", "microbatches", "batch", "seq_len", "formula_applies",
+                "measured_peak_bytes", "simulated_peak_bytes")
+MEASURED_NOTE = ("Measured: the median-makespan step of the executor's instrumented run; simulated: "
+                 "`pdjax.schedules.simulate` fed with every op's median time measured in isolation.")
 
 
-def _int(sec: str, key: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"executed_bubbles config [{sec}] {key} must be an integer >= {minimum}, got {value!r}")
-    return value
+@dataclasses.dataclass(frozen=True)
+class Run:
+    schedules: list[str] = knob(["1f1b", "zb1p", "dualpipe", "dualpipev"], choices=GENERATORS, nonempty=True)
+    ranks: int = knob(2, minimum=1)          # one device per rank
+    microbatches: int = knob(8, minimum=1)
+    repeats: int = knob(3, minimum=1)        # measured steps; the median makespan is reported
+    op_repeats: int = knob(3, minimum=1)     # isolated runs of every op (medians)
+    processes: bool = True                   # a process per rank pinned to a core; false: threads
+
+    def __post_init__(self):
+        for name in self.schedules:         # the generators' own size checks, before anything runs
+            try:
+                build(name, self.ranks, self.microbatches)
+            except ValueError as e:
+                raise ValueError(f"schedules: {name} at ranks = {self.ranks}, microbatches = "
+                                 f"{self.microbatches}: {e}") from None
 
 
-def parse_config(cfg: dict) -> dict:
-    """The config's tables merged over :data:`DEFAULTS`; unknown tables or keys and bad values
-    raise ValueError naming them."""
-    unknown = set(cfg) - TOP_LEVEL - set(DEFAULTS)
-    if unknown:
-        raise ValueError(f"executed_bubbles config has unknown keys or tables {sorted(unknown)}")
-    out = with_defaults(cfg, DEFAULTS, "executed_bubbles")
-    from pdjax.schedules import GENERATORS
-
-    names = out["run"]["schedules"]
-    if not isinstance(names, list) or not names or any(n not in GENERATORS for n in names):
-        raise ValueError(f"executed_bubbles config [run] schedules must be a non-empty list of "
-                         f"{sorted(GENERATORS)}, got {names!r}")
-    for sec, key in (("run", "ranks"), ("run", "microbatches"), ("run", "repeats"), ("run", "op_repeats"),
-                     ("run", "scale"), ("model", "layers"), ("batch", "rows"), ("batch", "seq_len")):
-        _int(sec, key, out[sec][key])
-    for sec, key in (("model", "dense_layers"), ("model", "seed"), ("batch", "seed")):
-        _int(sec, key, out[sec][key], minimum=0)
-    if not isinstance(out["run"]["processes"], bool):
-        raise ValueError(f"executed_bubbles config [run] processes must be true or false, got {out['run']['processes']!r}")
-    return out
+@dataclasses.dataclass(frozen=True)
+class Model:
+    preset: str = knob("tiny", choices=PRESETS)   # widths multiplied by scale
+    layers: int = knob(4, minimum=1)              # decoder layers, split over a pipeline's stages
+    dense_layers: int = knob(1, minimum=0)        # the first dense_layers are dense, the rest MoE
+    seed: int = knob(0, minimum=0)
 
 
-def model_config(model: dict, scale: int):
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    rows: int = knob(4, minimum=1)                # x scale sequences per micro-batch
+    seq_len: int = knob(32, minimum=2)            # x scale tokens (the next-token loss needs 2)
+    seed: int = knob(1, minimum=0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config(Header):
+    run: Run = table(Run)
+    model: Model = table(Model)
+    batch: Batch = table(Batch)
+
+    def devices_needed(self) -> int:
+        return 0 if self.run.processes else self.run.ranks
+
+
+def model_config(model: Model, scale: int):
     """The preset with ``layers`` decoder layers (the first ``dense_layers`` dense) and its
     widths multiplied by ``scale``."""
     import pdjax
 
-    base = pdjax.configs.preset(model["preset"])
+    base = pdjax.configs.preset(model.preset)
     widths = {f: getattr(base, f) * scale for f in WIDTH_FIELDS if getattr(base, f) is not None}
-    return base.replace(num_hidden_layers=model["layers"], first_k_dense_replace=model["dense_layers"],
-                        **widths)
-
-
-def run_executed_bubbles(cfg: dict, out_dir: str) -> dict:
-    """Run the experiment into ``out_dir``; returns a summary: ``rows`` (one dict per schedule),
-    ``row_objects`` (the :class:`pdjax.pipeline.executed.ExecutedRow` s, with their timelines),
-    ``headline``, ``plots`` and the file paths."""
-    import jax
-    import numpy as np
-
-    import pdjax
-    from pdjax.pipeline.executed import measure_schedule, plot_pair
-
-    c = parse_config(cfg)
-    run, batch, scale = c["run"], c["batch"], c["run"]["scale"]
-    mcfg = model_config(c["model"], scale)
-    rows_per_mb, T = batch["rows"] * scale, batch["seq_len"] * scale
-    shape = (run["microbatches"] * rows_per_mb, T)
-    params = pdjax.init_params(mcfg, jax.random.key(c["model"]["seed"]))
-    tokens = np.random.default_rng(batch["seed"]).integers(0, mcfg.vocab_size, shape, dtype=np.int32)
-    os.makedirs(out_dir, exist_ok=True)
-    rows, plots = [], {}
-    for name in progress.track(run["schedules"], "executed_bubbles: schedules (compile, time, simulate)"):
-        row = measure_schedule(name, mcfg, num_ranks=run["ranks"], num_microbatches=run["microbatches"],
-                               params=params, tokens=tokens, repeats=run["repeats"], op_repeats=run["op_repeats"],
-                               processes=run["processes"])
-        plots[name] = f"{name}.png"
-        plot_pair(row, os.path.join(out_dir, plots[name]))
-        rows.append(row)
-        progress.note(f"{name}: measured {row.measured_makespan_ms:.1f} ms, simulated "
-                      f"{row.simulated_makespan_ms:.1f} ms ({100 * row.makespan_error:+.1f}%)")
-    setup = {"backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()[:run["ranks"]]],
-             "model": c["model"], "scale": scale, "hidden_size": mcfg.hidden_size, "batch": list(shape),
-             "rows_per_microbatch": rows_per_mb, "processes": run["processes"]}
-    summary = _write(rows, plots, setup, out_dir)
-    summary["row_objects"] = rows       # with their timelines; not in the JSON file
-    return summary
+    return base.replace(num_hidden_layers=model.layers, first_k_dense_replace=model.dense_layers, **widths)
 
 
 def headline(rows) -> str:
@@ -124,32 +105,83 @@ def headline(rows) -> str:
             f"measured peak memory {'equals' if same else 'DIFFERS from'} the simulated byte model")
 
 
-def _write(rows, plots: dict, setup: dict, out_dir: str) -> dict:
-    from pdjax.pipeline.executed import COLUMNS, markdown_table
+def report_table(rows) -> str:
+    """The rows (:class:`pdjax.pipeline.executed.ExecutedRow`) as a markdown table, with a
+    note on its columns."""
+    def pct(x):
+        return f"{100 * x:+.1f}%"
+    table_rows = [{
+        "schedule": r.schedule, "P": r.P, "ranks": r.ranks, "m": r.microbatches,
+        "measured ms": f"{r.measured_makespan_ms:.1f}", "simulated ms": f"{r.simulated_makespan_ms:.1f}",
+        "error": pct(r.makespan_error), "bubble meas.": f"{r.measured_bubble_ratio:.3f}",
+        "bubble sim.": f"{r.simulated_bubble_ratio:.3f}",
+        "bubble formula": "n/a" if math.isnan(r.formula_bubble_ratio)
+        else f"{r.formula_bubble_ratio:.3f}" + ("" if r.formula_applies else "*"),
+        "error (in-run op times)": pct(r.inrun_makespan_error), "contention": f"{r.contention:.2f}",
+        "peak MiB per rank": "/".join(f"{b / 2**20:.2f}" for b in r.measured_peak_bytes),
+        "peak = sim": "yes" if r.measured_peak_bytes == r.simulated_peak_bytes else "NO",
+        "dispatch ms": f"{r.dispatch_ms:.3f}"} for r in rows]
+    inexact: dict[str, list[str]] = {}
+    for r in rows:
+        if not r.formula_applies:
+            inexact.setdefault(r.formula_note, []).append(r.schedule)
+    why = "; ".join(f"{', '.join(names)}: {note}" for note, names in inexact.items()) or "none"
+    note = ("error = simulated / measured - 1, the simulation fed with op times measured in isolation; "
+            "error (in-run op times): fed with the op times as they ran in the measured step; contention: "
+            "the step's busy time over the isolated ops' (XLA:CPU runs one op on every core, so ranks "
+            "sharing the cores slow each other). Bubble formula: the closed form at the stage means of the "
+            "measured op costs, as bubble / (bubble + mean busy time per rank); * = not exact for these "
+            f"costs ({why}). Peak: the executor's measured bytes per rank; \"peak = sim\": equal to "
+            "simulate(memory=ex.stage_memory).")
+    return markdown_table(table_rows) + "\n\n" + note + "\n"
 
+
+def _measure(c: Config, mcfg, tokens, params) -> list:
+    from pdjax.pipeline.executed import measure_schedule
+
+    rows = []
+    for name in progress.track(c.run.schedules, "executed_bubbles: schedules (compile, time, simulate)"):
+        row = measure_schedule(name, mcfg, num_ranks=c.run.ranks, num_microbatches=c.run.microbatches,
+                               params=params, tokens=tokens, repeats=c.run.repeats, op_repeats=c.run.op_repeats,
+                               processes=c.run.processes)
+        rows.append(row)
+        progress.note(f"{name}: measured {row.measured_makespan_ms:.1f} ms, simulated "
+                      f"{row.simulated_makespan_ms:.1f} ms ({100 * row.makespan_error:+.1f}%)")
+    return rows
+
+
+def run(c: Config, out_dir: str) -> Result:
+    import jax
+    import numpy as np
+
+    import pdjax
+    from pdjax.pipeline.executed import COLUMNS, plot_pair
+
+    mcfg = model_config(c.model, c.scale)
+    shape = (c.run.microbatches * c.batch.rows * c.scale, c.batch.seq_len * c.scale)
+    params = pdjax.init_params(mcfg, jax.random.key(c.model.seed))
+    tokens = np.random.default_rng(c.batch.seed).integers(0, mcfg.vocab_size, shape, dtype=np.int32)
+    rows = _measure(c, mcfg, tokens, params)
     dicts = [r.as_dict() for r in rows]
-    csv_path = os.path.join(out_dir, "executed_bubbles.csv")
-    with open(csv_path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(COLUMNS))
-        w.writeheader()
-        for d in dicts:
-            w.writerow({k: (" ".join(map(str, d[k])) if isinstance(d[k], list) else d[k]) for k in COLUMNS})
-    json_path = os.path.join(out_dir, "executed_bubbles.json")
-    summary = {"headline": headline(rows), "setup": setup, "rows": dicts, "plots": plots,
-               "csv": csv_path, "json": json_path}
-    with open(json_path, "w") as f:
-        json.dump(summary, f, indent=2, default=str)
-    about = (f"Model {setup['model']['preset']} x{setup['scale']} (hidden {setup['hidden_size']}, "
-             f"{setup['model']['layers']} layers), batch {setup['batch'][0]} x {setup['batch'][1]} tokens "
-             f"({setup['rows_per_microbatch']} rows per micro-batch), one {setup['backend']} device per rank"
-             + (", each rank a process of its own pinned to one core. " if setup["processes"]
-                else ", every rank a thread of one process. ") +
-             "Measured: the median-makespan step of the executor's instrumented run; simulated: "
-             "`pdjax.schedules.simulate` fed with every op's median time measured in isolation.")
-    lines = ["# Executed pipeline schedules: measured vs simulated bubbles", "", summary["headline"] + ".", "",
-             about, "", markdown_table(rows), "Per-op costs (ms) and every step's makespan: executed_bubbles.json.", ""]
-    for name, png in plots.items():
-        lines += [f"### {name}", "", f"![{name}: measured (top) vs simulated (bottom)]({png})", ""]
-    with open(os.path.join(out_dir, "report.md"), "w") as f:
-        f.write("\n".join(lines))
-    return summary
+    setup = {"backend": jax.default_backend(), "model": dataclasses.asdict(c.model), "scale": c.scale,
+             "hidden_size": mcfg.hidden_size, "batch": list(shape), "rows_per_microbatch": c.batch.rows * c.scale,
+             "processes": c.run.processes}
+    plots = {r.schedule: f"{r.schedule}.png" for r in rows}
+    with open(os.path.join(out_dir, "executed_bubbles.json"), "w") as f:
+        json.dump({"headline": headline(rows), "setup": {**setup, "devices": [str(d) for d in
+                   jax.devices()[:c.run.ranks]]}, "rows": dicts, "plots": plots}, f, indent=2, default=str)
+    about = (f"Model {c.model.preset} x{c.scale} (hidden {mcfg.hidden_size}, {c.model.layers} layers), batch "
+             f"{shape[0]} x {shape[1]} tokens ({c.batch.rows * c.scale} rows per micro-batch), one "
+             f"{setup['backend']} device per rank" + (", each rank a process of its own pinned to one core."
+                                                      if c.run.processes else ", every rank a thread of one process."))
+    body = (f"{about}\n\n{report_table(rows)}\n{MEASURED_NOTE} Per-op costs (ms) and every step's makespan: "
+            "[executed_bubbles.json](executed_bubbles.json).")
+    return Result("Executed pipeline schedules: measured vs simulated bubbles", headline(rows),
+                  metrics={"setup": setup, "rows": [{k: d[k] for k in REPRODUCIBLE} for d in dicts]},
+                  wall_clock={d["schedule"]: {k: v for k, v in d.items()
+                                              if k not in REPRODUCIBLE and not isinstance(v, (list, dict))}
+                              for d in dicts},
+                  tables={"executed_bubbles": [{k: d[k] for k in COLUMNS} for d in dicts]},
+                  measured_tables=("executed_bubbles",),
+                  figures={r.schedule: plot_pair(r) for r in rows}, body=body,
+                  objects={"row_objects": rows, "plots": plots})

@@ -19,116 +19,170 @@ and the KV bytes handed off are reproducible (``metrics``).
 
 from __future__ import annotations
 
-import jax
+import dataclasses
+
 import numpy as np
 
-import pdjax
-from pdjax.disagg import ColocatedEngine, PDEngine
-from pdjax.experiments import progress, schema
+from pdjax.configs import PRESETS
+from pdjax.experiments import progress
 from pdjax.experiments.results import Result, markdown_table
-from pdjax.experiments.runner import with_defaults
+from pdjax.experiments.schema import Header, knob, table
 
-DEFAULTS = {
-    "model": {"preset": "tiny", "seed": 0},
-    "workload": {"short_requests": 8, "short_prompt": 16, "short_new_tokens": 160,
-                 "long_requests": 3, "long_prompt": 768, "long_new_tokens": 4,
-                 "long_first_arrival_s": 0.4, "long_interval_s": 0.5, "seed": 1},
-    "engine": {"block_size": 16, "max_decode_slots": 12, "max_context": 1024, "chunk_tokens": 128},
-}
-CONFIG = schema.from_defaults("pd_vs_colocated", DEFAULTS)
-SCALED = {"workload": ("short_requests", "long_requests", "long_prompt"),
-          "engine": ("max_decode_slots", "max_context", "chunk_tokens")}
+DEVICES = 8                 # prefill on devices 0-3, decode on 4-7
+DECODE_RANKS = 4            # the decode mesh: data 2 x expert 2
 
 
-def workload(cfg: dict, vocab: int):
-    w = cfg["workload"]
-    rng = np.random.RandomState(w["seed"])
+@dataclasses.dataclass(frozen=True)
+class Model:
+    preset: str = knob("tiny", choices=PRESETS)
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    short_requests: int = knob(8, minimum=1)      # decoding from t = 0
+    short_prompt: int = knob(16, minimum=1)
+    short_new_tokens: int = knob(160, minimum=2)
+    long_requests: int = knob(3, minimum=1)       # long prompts arriving during decode
+    long_prompt: int = knob(768, minimum=1)
+    long_new_tokens: int = knob(4, minimum=1)
+    long_first_arrival_s: float = knob(0.4, minimum=0)
+    long_interval_s: float = knob(0.5, minimum=0)
+    seed: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Engine:
+    block_size: int = knob(16, minimum=1)
+    max_decode_slots: int = knob(12, minimum=1)   # over the 4 decode DP ranks
+    max_context: int = knob(1024, minimum=1)
+    chunk_tokens: int = knob(128, minimum=0)      # a third engine: colocated with chunked prefill (0 = skip)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config(Header):
+    model: Model = table(Model)
+    workload: Workload = table(Workload)
+    engine: Engine = table(Engine)
+
+    def __post_init__(self):
+        super().__post_init__()
+        w, e, s = self.workload, self.engine, self.scale
+        if e.max_decode_slots * s % DECODE_RANKS:
+            raise ValueError(f"engine.max_decode_slots: x scale ({e.max_decode_slots} x {s}) must divide over the "
+                             f"{DECODE_RANKS} decode DP ranks")
+        for kind, need in (("short", w.short_prompt + w.short_new_tokens),
+                           ("long", w.long_prompt * s + w.long_new_tokens)):
+            if need > e.max_context * s:
+                raise ValueError(f"engine.max_context: x scale ({e.max_context * s}) must hold a {kind} request's "
+                                 f"prompt and new tokens ({need})")
+
+    def devices_needed(self) -> int:
+        return DEVICES
+
+    def scaled(self) -> "Config":
+        """The config with ``scale`` applied (request counts, long prompts, slots, context, chunk)."""
+        s, w, e = self.scale, self.workload, self.engine
+        return dataclasses.replace(
+            self, scale=1,
+            workload=dataclasses.replace(w, short_requests=w.short_requests * s, long_requests=w.long_requests * s,
+                                         long_prompt=w.long_prompt * s),
+            engine=dataclasses.replace(e, max_decode_slots=e.max_decode_slots * s, max_context=e.max_context * s,
+                                       chunk_tokens=e.chunk_tokens * s))
+
+
+def workload(w: Workload, vocab: int):
+    """(prompts, new tokens, arrival times) of the requests: the short ones at t = 0, then
+    the long ones."""
+    rng = np.random.RandomState(w.seed)
     prompts, new, arrivals = [], [], []
-    for _ in range(w["short_requests"]):
-        prompts.append(rng.randint(0, vocab, w["short_prompt"]).tolist())
-        new.append(w["short_new_tokens"])
+    for _ in range(w.short_requests):
+        prompts.append(rng.randint(0, vocab, w.short_prompt).tolist())
+        new.append(w.short_new_tokens)
         arrivals.append(0.0)
-    for i in range(w["long_requests"]):
-        prompts.append(rng.randint(0, vocab, w["long_prompt"]).tolist())
-        new.append(w["long_new_tokens"])
-        arrivals.append(w["long_first_arrival_s"] + i * w["long_interval_s"])
+    for i in range(w.long_requests):
+        prompts.append(rng.randint(0, vocab, w.long_prompt).tolist())
+        new.append(w.long_new_tokens)
+        arrivals.append(w.long_first_arrival_s + i * w.long_interval_s)
     return prompts, new, arrivals
 
 
-def _itl_series(stats, n_short):
-    pts = []
-    for r in stats["requests"][:n_short]:
-        pts += list(zip(r["token_times"][1:], r["itl"]))
-    return sorted(pts)
+def _engines(params, mcfg, e: Engine) -> dict:
+    """name -> a function building that engine on the first 8 devices."""
+    import jax
 
-
-def run_pd_vs_colocated(cfg: dict, out_dir: str) -> Result:
-    c = with_defaults(cfg, DEFAULTS, "pd_vs_colocated")
-    scale = cfg.get("scale", 1)
-    for sec, keys in SCALED.items():
-        c[sec].update({k: c[sec][k] * scale for k in keys})
-    if jax.device_count() < 8:
-        raise ValueError(f"pd_vs_colocated needs 8 devices, got {jax.device_count()} "
-                         "(set XLA_FLAGS=--xla_force_host_platform_device_count=8; `pdjax run` does)")
-    mcfg = pdjax.configs.preset(c["model"]["preset"])
-    params = pdjax.init_params(mcfg, jax.random.key(c["model"]["seed"]))
-    prompts, new, arrivals = workload(c, mcfg.vocab_size)
-    e = c["engine"]
+    from pdjax.disagg import ColocatedEngine, PDEngine
     devs = jax.devices()
+    common = dict(block_size=e.block_size, max_decode_slots=e.max_decode_slots, max_context=e.max_context)
     engines = {
-        "colocated": lambda: ColocatedEngine(params, mcfg, devices=devs[:4], mesh={"data": 2, "expert": 2},
-                                             block_size=e["block_size"], max_decode_slots=e["max_decode_slots"],
-                                             max_context=e["max_context"]),
-        "pd": lambda: PDEngine(params, mcfg, prefill_devices=devs[:4], decode_devices=devs[4:],
-                               prefill_mesh={"expert": 4}, decode_mesh={"data": 2, "expert": 2},
-                               block_size=e["block_size"], max_decode_slots=e["max_decode_slots"],
-                               max_context=e["max_context"]),
+        "colocated": lambda: ColocatedEngine(params, mcfg, devices=devs[:4], mesh={"data": 2, "expert": 2}, **common),
+        "pd": lambda: PDEngine(params, mcfg, prefill_devices=devs[:4], decode_devices=devs[4:DEVICES],
+                               prefill_mesh={"expert": 4}, decode_mesh={"data": 2, "expert": 2}, **common),
     }
-    if e["chunk_tokens"]:
+    if e.chunk_tokens:
         engines["colocated_chunked"] = lambda: ColocatedEngine(
-            params, mcfg, devices=devs[:4], mesh={"data": 2, "expert": 2}, block_size=e["block_size"],
-            max_decode_slots=e["max_decode_slots"], max_context=e["max_context"],
-            prefill_chunk_tokens=e["chunk_tokens"])
-    n_short = c["workload"]["short_requests"]
-    results, summary = {}, {}
-    for name, make in progress.track(list(engines.items()), "pd_vs_colocated: engines (compile + serve)"):
-        eng = make()
-        eng.generate(prompts, max_new_tokens=new)                       # warm-up: compile everything
-        out = eng.generate(prompts, max_new_tokens=new, arrival_times=arrivals)
-        results[name] = out
-        st = eng.stats
-        itl = [x for r in st["requests"][:n_short] for x in r["itl"]]
-        ttft_long = [r["ttft"] for r in st["requests"][n_short:]]
-        summary[name] = {"itl_p50_ms": 1e3 * float(np.percentile(itl, 50)),
-                         "itl_p99_ms": 1e3 * float(np.percentile(itl, 99)),
-                         "itl_max_ms": 1e3 * float(np.max(itl)),
-                         "ttft_long_mean_ms": 1e3 * float(np.mean(ttft_long)),
-                         "kv_bytes_sent": st["kv_bytes_sent"],
-                         "series": _itl_series(st, n_short)}
-    same = all(out == results["colocated"] for out in results.values())
-    fig = _plot(summary, arrivals[n_short:])
+            params, mcfg, devices=devs[:4], mesh={"data": 2, "expert": 2}, prefill_chunk_tokens=e.chunk_tokens,
+            **common)
+    return engines
+
+
+def _serve(make, prompts, new, arrivals, n_short: int) -> tuple[list, dict]:
+    """One engine: a warm-up run (compiles everything), then the timed one; its tokens and
+    latency summary."""
+    eng = make()
+    eng.generate(prompts, max_new_tokens=new)
+    out = eng.generate(prompts, max_new_tokens=new, arrival_times=arrivals)
+    st = eng.stats
+    itl = [x for r in st["requests"][:n_short] for x in r["itl"]]
+    ttft_long = [r["ttft"] for r in st["requests"][n_short:]]
+    series = sorted(pt for r in st["requests"][:n_short] for pt in zip(r["token_times"][1:], r["itl"]))
+    return out, {"itl_p50_ms": 1e3 * float(np.percentile(itl, 50)), "itl_p99_ms": 1e3 * float(np.percentile(itl, 99)),
+                 "itl_max_ms": 1e3 * float(np.max(itl)), "ttft_long_mean_ms": 1e3 * float(np.mean(ttft_long)),
+                 "kv_bytes_sent": st["kv_bytes_sent"], "series": series}
+
+
+def _headline(summary: dict, c: Config, n_long: int, same: bool) -> str:
     co, pd = summary["colocated"], summary["pd"]
     headline = (f"decode ITL P99 {co['itl_p99_ms']:.1f} ms colocated vs {pd['itl_p99_ms']:.1f} ms PD "
-                f"(max {co['itl_max_ms']:.1f} vs {pd['itl_max_ms']:.1f} ms) while {len(arrivals) - n_short} "
-                f"prompts of {c['workload']['long_prompt']} tokens arrive; identical tokens: {same}")
+                f"(max {co['itl_max_ms']:.1f} vs {pd['itl_max_ms']:.1f} ms) while {n_long} "
+                f"prompts of {c.workload.long_prompt} tokens arrive; identical tokens: {same}")
     if "colocated_chunked" in summary:
         ch = summary["colocated_chunked"]
-        headline += (f"; colocated with {e['chunk_tokens']}-token prefill chunks: ITL P99 {ch['itl_p99_ms']:.1f} ms, "
-                     f"long-prompt TTFT {ch['ttft_long_mean_ms']:.0f} vs {co['ttft_long_mean_ms']:.0f} ms")
+        headline += (f"; colocated with {c.engine.chunk_tokens}-token prefill chunks: ITL P99 "
+                     f"{ch['itl_p99_ms']:.1f} ms, long-prompt TTFT {ch['ttft_long_mean_ms']:.0f} vs "
+                     f"{co['ttft_long_mean_ms']:.0f} ms")
+    return headline
+
+
+def run(c: Config, out_dir: str) -> Result:
+    import jax
+
+    import pdjax
+    c = c.scaled()
+    mcfg = pdjax.configs.preset(c.model.preset)
+    params = pdjax.init_params(mcfg, jax.random.key(c.model.seed))
+    prompts, new, arrivals = workload(c.workload, mcfg.vocab_size)
+    n_short = c.workload.short_requests
+    tokens, summary = {}, {}
+    for name, make in progress.track(list(_engines(params, mcfg, c.engine).items()),
+                                     "pd_vs_colocated: engines (compile + serve)"):
+        tokens[name], summary[name] = _serve(make, prompts, new, arrivals, n_short)
+    same = all(out == tokens["colocated"] for out in tokens.values())
     measured = [{"engine": k, **{kk: vv for kk, vv in v.items() if kk not in ("series", "kv_bytes_sent")}}
                 for k, v in summary.items()]
     series = [{"engine": k, "time_s": t, "itl_ms": 1e3 * x} for k, v in summary.items() for t, x in v["series"]]
-    body = (f"Real engines, {mcfg.num_hidden_layers}-layer {c['model']['preset']} model on 8 CPU devices.\n\n"
+    body = (f"Real engines, {mcfg.num_hidden_layers}-layer {c.model.preset} model on 8 CPU devices.\n\n"
             + markdown_table(measured) + "\n\nThe simulated CPU devices share the host's cores, so a prefill on the "
             "prefill devices still slows the decode devices down: the PD spikes are compute contention, the "
             "colocated ones add the wait behind the whole prefill.")
-    metrics = {"identical_tokens": same, "requests": len(prompts), "long_prompt": c["workload"]["long_prompt"],
+    metrics = {"identical_tokens": same, "requests": len(prompts), "long_prompt": c.workload.long_prompt,
                "kv_bytes_sent": {k: v["kv_bytes_sent"] for k, v in summary.items()},
-               "tokens": [list(map(int, o)) for o in results["colocated"]]}
-    return Result("PD vs colocated (real engines)", headline, metrics=metrics,
+               "tokens": [list(map(int, o)) for o in tokens["colocated"]]}
+    return Result("PD vs colocated (real engines)", _headline(summary, c, len(arrivals) - n_short, same),
+                  metrics=metrics,
                   wall_clock={m["engine"]: {k: v for k, v in m.items() if k != "engine"} for m in measured},
                   tables={"engines": measured, "itl_series": series}, measured_tables=("engines", "itl_series"),
-                  figures={"itl_over_time": fig}, body=body)
+                  figures={"itl_over_time": _plot(summary, arrivals[n_short:])}, body=body)
 
 
 def _plot(summary, long_arrivals):

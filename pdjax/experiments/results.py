@@ -8,7 +8,8 @@ A run directory ``runs/<name>/<timestamp>/`` holds:
   tables and figures, the headline and the experiment's own markdown;
 * ``<table>.csv`` for every table, ``<figure>.png`` and ``<figure>.svg`` for every figure;
 * ``report.md``: :func:`render_report` of the above. It reads only the saved files, so
-  ``pdjax report <run dir>`` rebuilds it without recomputing anything.
+  ``pdjax report <run dir>`` rebuilds it without recomputing anything;
+* while the experiment runs, ``RUNNING``; after an error, ``FAILED`` (:mod:`rundir`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import json
 import math
 import os
 from typing import Any
+
+from pdjax.experiments import rundir
 
 CONFIG_FILE, METRICS_FILE, REPORT_FILE = "config.json", "metrics.json", "report.md"
 
@@ -74,9 +77,11 @@ def write(result: Result, run_dir: str, dpi: int = 120) -> str:
             fig.savefig(os.path.join(run_dir, figures[name]["svg"]), metadata={"Date": None})
     saved = {"title": result.title, "headline": result.headline, "metrics": result.metrics,
              "wall_clock": result.wall_clock, "tables": tables, "figures": figures, "body": result.body}
-    with open(os.path.join(run_dir, METRICS_FILE), "w") as f:
+    tmp = os.path.join(run_dir, METRICS_FILE + ".tmp")         # whole or absent, never half written
+    with open(tmp, "w") as f:
         json.dump(saved, f, indent=2, default=_jsonable)
         f.write("\n")
+    os.replace(tmp, os.path.join(run_dir, METRICS_FILE))
     return rebuild_report(run_dir)
 
 
@@ -154,10 +159,13 @@ def render_report(run_dir: str) -> str:
 
 
 def _files(run_dir: str) -> list[str]:
+    """The files of a run directory, less its life-cycle markers (:mod:`rundir`)."""
     out = []
     for root, dirs, files in os.walk(run_dir):
         dirs.sort()
         for f in sorted(files):
+            if root == run_dir and f in (rundir.RUNNING, rundir.FAILED):
+                continue
             out.append(os.path.relpath(os.path.join(root, f), run_dir).replace(os.sep, "/"))
     return out
 

@@ -19,7 +19,7 @@ import time
 
 from pdjax.experiments import progress
 from pdjax.experiments.results import Result
-from pdjax.experiments.schema import knob, parse, table
+from pdjax.experiments.schema import Header, knob, table
 
 FAMILY_CHOICES = ("zb", "v", "dualpipe")
 HAND = ("1f1b", "zb1p", "zbh2", "dualpipev", "zbv", "v-half", "v-min", "dualpipe")
@@ -43,6 +43,13 @@ class Costs:
     ratios: list[list[float]] = knob([[1.0, 2.0, 1.0], [1.0, 2.0, 0.5]], minimum=0, nonempty=True)
     comms: list[float] = knob([0.0, 0.1], minimum=0, nonempty=True)
 
+    def __post_init__(self):
+        for i, r in enumerate(self.ratios):
+            if len(r) != 3 or any(not v >= 0 for v in r):
+                raise ValueError(f"ratios[{i}]: expected [F, B, W], each >= 0, got {r!r}")
+            if r[2] > r[1]:
+                raise ValueError(f"ratios[{i}]: W ({r[2]:g}) must not exceed B ({r[1]:g})")
+
 
 @dataclasses.dataclass(frozen=True)
 class Execute:
@@ -54,44 +61,42 @@ class Execute:
     microbatches: int = knob(8, minimum=1)
     layers: int = knob(4, minimum=1)
     rows: int = knob(4, minimum=1)
-    seq_len: int = knob(32, minimum=1)
+    seq_len: int = knob(32, minimum=2)
     repeats: int = knob(3, minimum=1)
     op_repeats: int = knob(3, minimum=1)
     processes: bool = knob(True)
 
 
-@dataclasses.dataclass(frozen=True)
-class Config:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config(Header):
     search: Search = table(Search)
     costs: Costs = table(Costs)
     execute: Execute = table(Execute)
 
+    def __post_init__(self):
+        super().__post_init__()
+        sizes = [("search.num_microbatches", self.search.num_microbatches * self.scale)]
+        if self.execute.enabled:
+            sizes.append(("execute.microbatches", self.execute.microbatches))
+        for key, m in sizes:       # DualPipe lets half the micro-batches in at each end
+            if set(self.search.families) == {"dualpipe"} and m % 2:
+                raise ValueError(f"{key}: the dualpipe family alone needs an even number of micro-batches, "
+                                 f"got {m}")
 
-def _parse(cfg: dict) -> Config:
-    return parse(Config, {k: cfg[k] for k in ("search", "costs", "execute") if k in cfg})
-
-
-def check(cfg: dict) -> None:
-    """Each ratio is three numbers >= 0 with W <= B (ValueError naming the key)."""
-    c = _parse(cfg)
-    for i, r in enumerate(c.costs.ratios):
-        if len(r) != 3 or any(not v >= 0 for v in r):
-            raise ValueError(f"costs.ratios[{i}]: expected [F, B, W], each >= 0, got {r!r}")
-        if r[2] > r[1]:
-            raise ValueError(f"costs.ratios[{i}]: W ({r[2]:g}) must not exceed B ({r[1]:g})")
+    def devices_needed(self) -> int:
+        e = self.execute
+        return e.ranks if e.enabled and not e.processes else 0
 
 
 def _kind(label: str) -> str:
     return "hand-written" if label in HAND else ("milp" if label.startswith("milp") else "greedy")
 
 
-def run(cfg: dict, out_dir: str) -> Result:
+def run(c: Config, out_dir: str) -> Result:
     from pdjax.schedules.search import search
 
-    check(cfg)
-    c = _parse(cfg)
     s = c.search
-    p, m = s.num_ranks, s.num_microbatches * cfg.get("scale", 1)
+    p, m = s.num_ranks, s.num_microbatches * c.scale
     settings = [(tuple(r), comm) for r in c.costs.ratios for comm in c.costs.comms]
     points, gaps, per_setting, wall = [], [], {}, {}
     for ratio, comm in progress.track(settings, "schedule search: F:B:W x comm"):

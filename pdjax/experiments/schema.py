@@ -6,10 +6,15 @@ A schema is a dataclass whose fields are the keys of one TOML table. Field types
 ``Union[...]`` (the first arm that accepts the value wins), ``Any`` and nested dataclasses
 (sub-tables). :func:`parse` fills the defaults and raises ValueError naming the dotted key
 (``"sweep.rates[2]: expected float, got str"``) for an unknown key, a missing required key,
-a value of the wrong type, or one outside the field's :func:`knob` limits (``minimum``,
-``above``, ``choices``, ``nonempty``). A dataclass's own ``__post_init__`` checks run
-after; their messages start with the field's name, and the table's dotted key is put in
-front. Nothing here imports jax.
+a value of the wrong type, a number that is not finite (``nan``, ``inf``: anywhere in the
+value, free-form tables included), or one outside the field's :func:`knob` limits
+(``minimum``, ``above``, ``choices``, ``nonempty``). A dataclass's own ``__post_init__``
+checks run after; their messages start with the field's name, and the table's dotted key is
+put in front.
+
+An experiment's config schema is a subclass of :class:`Header` (the top-level keys every
+config shares) whose fields are its tables; its ``__post_init__`` holds the checks that
+span tables (and calls ``super().__post_init__()``). Nothing here imports jax.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import collections.abc
 import copy
 import dataclasses
+import math
 import types
 import typing
 from typing import Any
@@ -46,16 +52,19 @@ def table(cls):
     return dataclasses.field(default_factory=cls)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Header:
-    """The top-level keys of every experiment config."""
+    """The top-level keys of every experiment config (see :data:`HEADER_DOCS`); ``name``
+    defaults to the kind. Experiment schemas subclass it, their tables as fields."""
 
-    kind: str
+    kind: str = ""
     name: str = ""
     description: str = ""
     scale: int = knob(1, minimum=1)
 
     def __post_init__(self):
+        if not self.name:
+            object.__setattr__(self, "name", self.kind)
         if not self.name or "/" in self.name or self.name in (".", ".."):
             raise ValueError(f"name: must be a non-empty directory name without '/', got {self.name!r}")
 
@@ -75,6 +84,7 @@ def parse(cls, data, where: str = ""):
         key = _key(where, name)
         if name in data:
             values[name] = _value(hints[name], data[name], key)
+            _check_finite(values[name], key)
             _check_limits(f, values[name], key)
         elif dataclasses.is_dataclass(hints[name]) and f.default is dataclasses.MISSING \
                 and f.default_factory is dataclasses.MISSING:
@@ -91,28 +101,6 @@ def to_dict(obj) -> dict:
     """A parsed config as plain dicts and lists (JSON/TOML-ready, the runner's resolved
     config)."""
     return dataclasses.asdict(obj)
-
-
-def from_defaults(name: str, defaults: dict[str, dict]):
-    """A schema (a dataclass of table dataclasses) whose keys, types and defaults are those
-    of ``defaults`` (``{table: {key: default}}``): each key's type is its default's (a list's
-    is its first element's; a ``None`` default accepts anything)."""
-    tables = []
-    for sec, keys in defaults.items():
-        cls = dataclasses.make_dataclass(
-            f"{name}_{sec}", [(k, _infer(v), knob(v)) for k, v in keys.items()], frozen=True)
-        tables.append((sec, cls, table(cls)))
-    return dataclasses.make_dataclass(name, tables, frozen=True)
-
-
-def _infer(value):
-    if value is None:
-        return Any
-    if isinstance(value, list):
-        return list[_infer(value[0])] if value else list
-    if isinstance(value, dict):
-        return dict
-    return type(value)
 
 
 def _key(where: str, key) -> str:
@@ -185,6 +173,19 @@ def _value(tp, value, key: str):
     elif isinstance(tp, type) and isinstance(value, tp):
         return value
     raise _Mismatch(f"{key}: expected {_describe(tp)}, got {_got(value)}")
+
+
+def _check_finite(value, key: str) -> None:
+    """Refuse ``nan`` and ``inf`` anywhere in ``value`` (lists and free-form tables too;
+    parsed sub-tables have checked their own)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{key}: must be a finite number, got {value!r}")
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_finite(v, f"{key}[{i}]")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_finite(v, f"{key}.{k}")
 
 
 def _check_limits(field: dataclasses.Field, value, key: str) -> None:

@@ -294,7 +294,7 @@ def percentile_rows(engine_name: str, measured: dict, predicted: dict) -> list[d
     P50 / P90; ``predicted``: {name: simulator summary}; error = predicted / measured - 1."""
     rows = []
     for metric in METRICS:
-        m = sim.percentiles(measured[metric], pcts=PCTS)
+        m = sim.metrics.percentiles(measured[metric], pcts=PCTS)
         for p in PCTS:
             meas = m[f"p{p}"]
             row = {"engine": engine_name, "metric": metric, "pct": f"p{p}", "measured_s": meas}

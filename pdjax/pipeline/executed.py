@@ -21,7 +21,8 @@ with the per-stage costs) say whether the formula is exact for the measured cost
 stages differ (the first embeds, the last computes the loss), so it usually is not.
 
 :func:`plot_pair` draws the measured and the simulated Gantt chart on one time axis;
-:func:`markdown_table` and :func:`text_table` print rows.
+:func:`text_table` prints rows (the executed-bubbles experiment's report has the markdown
+table: :func:`pdjax.experiments.executed_bubbles.report_table`).
 """
 
 from __future__ import annotations
@@ -280,32 +281,8 @@ def _cells(row: ExecutedRow) -> list[str]:
 
 _HEAD = ["schedule", "P", "ranks", "m", "measured ms", "simulated ms", "error", "bubble meas.",
          "bubble sim.", "bubble formula", "error (in-run op times)", "contention", "peak MiB per rank", "peak = sim", "dispatch ms"]
-_NOTE = ("error = simulated / measured - 1, the simulation fed with op times measured in isolation; "
-         "error (in-run op times): fed with the op times as they ran in the measured step; contention: "
-         "the step's busy time over the isolated ops' (XLA:CPU runs one op on every core, so ranks "
-         "sharing the cores slow each other). Bubble formula: the closed form at the stage means of the "
-         "measured op costs, as bubble / (bubble + mean busy time per rank); * = not exact for these "
-         "costs ({}). Peak: the executor's measured bytes per rank; \"peak = sim\": equal to "
-         "simulate(memory=ex.stage_memory).")
-
-
-def _note(rows) -> str:
-    by_reason: dict[str, list[str]] = {}
-    for r in rows:
-        if not r.formula_applies:
-            by_reason.setdefault(r.formula_note, []).append(r.schedule)
-    return _NOTE.format("; ".join(f"{', '.join(names)}: {why}" for why, names in by_reason.items()) or "none")
-
-
-def markdown_table(rows) -> str:
-    """A Markdown table of :class:`ExecutedRow` s, with a note on the columns."""
-    lines = ["| " + " | ".join(_HEAD) + " |", "|" + "---|" * len(_HEAD)]
-    lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
-    return "\n".join(lines) + "\n\n" + _note(rows) + "\n"
-
-
 def text_table(rows) -> str:
-    """A fixed-width text table of :class:`ExecutedRow` s (the :func:`markdown_table` columns)."""
+    """A fixed-width text table of :class:`ExecutedRow` s."""
     table = [_HEAD] + [_cells(r) for r in rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(_HEAD))]
     out = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths)))

@@ -12,7 +12,7 @@ Modules (one concept each): ``cost`` (the cost-model protocol, LinearStepCost),
 ``policies`` (balancers, chunk sizing), ``instances`` / ``colocated`` / ``afd`` (step planning),
 ``deployment`` (specs), ``controller`` (dynamic P:D), ``simulator`` (the event loop), ``result``,
 ``metrics``, ``search`` (sweeps and SLO binary search); the experiments built on them:
-``pdjax.experiments.serving``.
+one module per kind in :mod:`pdjax.experiments` (``colocated_vs_pd``, ``pd_ratio_sweep``, ...).
 Pure Python + numpy (matplotlib for plots); no jax. See docs/sim.md.
 
 ``__all__`` is the face a notebook starts with; every other name is importable from its

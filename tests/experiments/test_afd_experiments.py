@@ -4,6 +4,7 @@ on hand-computed stages, the simulated sweep's speedup is its throughput ratio, 
 ``pdjax run`` of afd_ratio writes finite measured rows, tables, a plot and a report (no
 timing thresholds: the numbers are the machine's)."""
 
+import dataclasses
 import json
 import math
 import os
@@ -13,8 +14,6 @@ import pytest
 import pdjax
 from pdjax.experiments import afd_measure, afd_ratio, runner
 from pdjax.sim.afd import afd_layer_cycle
-
-ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
 def _span(stream, layer, mb, issued, ready, step=0):
@@ -58,14 +57,14 @@ def test_overlap_model_is_the_simulators_cycle_on_the_measured_stages():
 
 
 def test_simulated_speedup_is_the_throughput_ratio_per_accelerator():
-    c = afd_ratio.DEFAULTS
-    rows, notes = afd_ratio.sim_rows(pdjax.configs.deepseek_v3(), c["hardware"], c["sweep"])
-    assert not notes and len(rows) == len(c["sweep"]["attention"]) * len(c["sweep"]["contexts"])
+    hw, sweep = afd_ratio.Hardware(), afd_ratio.Sweep()
+    rows, notes = afd_ratio.sim_rows(pdjax.configs.deepseek_v3(), hw, sweep)
+    assert not notes and len(rows) == len(sweep.attention) * len(sweep.contexts)
     for r in rows:
         assert r["speedup"] == pytest.approx(r["tok_s_per_gpu_afd"] / r["tok_s_per_gpu_base"])
         assert r["attention_share"] == r["M"] / (r["M"] + r["N"])
-    bf16 = {**c["hardware"], "dtype": "bf16"}                       # 1.3 TB of experts on 8 x 80 GB
-    rows, notes = afd_ratio.sim_rows(pdjax.configs.deepseek_v3(), bf16, {**c["sweep"], "ffn": 8})
+    bf16 = dataclasses.replace(hw, dtype="bf16")                   # 1.3 TB of experts on 8 x 80 GB
+    rows, notes = afd_ratio.sim_rows(pdjax.configs.deepseek_v3(), bf16, dataclasses.replace(sweep, ffn=8))
     assert rows == [] and "do not fit" in notes[0]
 
 
@@ -77,7 +76,7 @@ def test_simulated_speedup_is_the_throughput_ratio_per_accelerator():
 ])
 def test_bad_afd_ratio_configs_fail_before_anything_runs(override, message):
     with pytest.raises(ValueError, match=message):
-        runner.load_config(os.path.join(ROOT, "experiments", "afd_ratio.toml"), [override])
+        runner.load_config("afd_ratio", [override])
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +84,7 @@ def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("afd")
     sets = ["measured.microbatches=[2]", "measured.slots=8", "measured.new_tokens=11",
             "sweep.attention=[16, 64]", "sweep.contexts=[16384]"]
-    return runner.run(os.path.join(ROOT, "experiments", "afd_ratio.toml"), runs_dir=str(tmp), overrides=sets)
+    return runner.run("afd_ratio", runs_dir=str(tmp), overrides=sets)
 
 
 def test_afd_ratio_measures_finite_stages_and_writes_its_report(run):

@@ -11,10 +11,9 @@ import tomllib
 
 import pytest
 
-from pdjax.experiments import cli, runner, serving
+from pdjax.experiments import cli, colocated_vs_pd, runner, serving
 
-ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
-TOMLS = sorted(glob.glob(os.path.join(ROOT, "experiments", "*.toml")))
+TOMLS = sorted(str(p) for p in runner.shipped_configs().iterdir() if p.name.endswith(".toml"))
 
 TINY_SIM = """kind = "colocated_vs_pd"
 name = "tiny_sim"
@@ -74,24 +73,23 @@ def links(report: str) -> list[str]:
 
 # ---- 1. config errors name the key, before anything runs -----------------------------------
 @pytest.mark.parametrize("config, override, message", [
-    ("sim_pd_ratio_sweep.toml", 'sweep.instances="16"', "sweep.instances: expected int, got str"),
-    ("sim_colocated_vs_pd.toml", "deployment.num_prefill=2", "deployment.num_prefill: unknown key"),
-    ("sim_prefix_cache.toml", "workload.rate=true", "workload.rate: expected float, got bool"),
-    ("sim_afd_ratio_sweep.toml", 'sweep.pairs=[[3, "1"]]', "sweep.pairs[0][1]: expected int, got str"),
-    ("sim_link_bandwidth.toml", "search.lo=0", "search.lo: must be > 0, got 0.0"),
-    ("bubble_sweep.toml", 'sweep.schedules=["1f2b"]', "sweep.schedules: must be one of"),
-    ("dbo_overlap.toml", 'sweep.ratios=[1, "x"]', "sweep.ratios[1]: expected float, got str"),
-    ("quickstart.toml", "stall.long_prompt=1.5", "stall.long_prompt: expected int, got float"),
-    ("pd_vs_colocated.toml", "engine.chunk=1", "engine.chunk: unknown key"),
-    ("executed_bubbles.toml", 'batch.rows="4"', "batch.rows: expected int, got str"),
-    ("quickstart.toml", "scale=0", "scale: must be >= 1, got 0"),
-    ("quickstart.toml", "extra=1", "extra: unknown key"),
-    ("quickstart.toml", 'model.compute_dtype="bf17"', "model.compute_dtype: ModelConfig.compute_dtype"),
+    ("pd_ratio_sweep", 'sweep.instances="16"', "sweep.instances: expected int, got str"),
+    ("colocated_vs_pd", "deployment.num_prefill=2", "deployment.num_prefill: unknown key"),
+    ("prefix_cache_capacity", "workload.rate=true", "workload.rate: expected float, got bool"),
+    ("afd_ratio_sweep", 'sweep.pairs=[[3, "1"]]', "sweep.pairs[0][1]: expected int, got str"),
+    ("link_bandwidth", "search.lo=0", "search.lo: must be > 0, got 0.0"),
+    ("bubble_sweep", 'sweep.schedules=["1f2b"]', "sweep.schedules: must be one of"),
+    ("dbo_sweep", 'sweep.ratios=[1, "x"]', "sweep.ratios[1]: expected float, got str"),
+    ("quickstart", "stall.long_prompt=1.5", "stall.long_prompt: expected int, got float"),
+    ("pd_vs_colocated", "engine.chunk=1", "engine.chunk: unknown key"),
+    ("executed_bubbles", 'batch.rows="4"', "batch.rows: expected int, got str"),
+    ("quickstart", "scale=0", "scale: must be >= 1, got 0"),
+    ("quickstart", "extra=1", "extra: unknown key"),
+    ("quickstart", 'model.compute_dtype="bf17"', "model.compute_dtype: ModelConfig.compute_dtype"),
 ])
 def test_config_errors_name_the_key(tmp_path, capsys, config, override, message):
     runs = tmp_path / "runs"
-    path = os.path.join(ROOT, "experiments", config)
-    assert cli.main(["run", path, "--runs-dir", str(runs), "--set", override]) == 2
+    assert cli.main(["run", config, "--runs-dir", str(runs), "--set", override]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert not runs.exists()                                   # raised before anything ran
@@ -155,7 +153,7 @@ def test_report_rebuilds_identically_without_recomputing(tmp_path, tiny_sim, mon
 
     def no_compute(*args, **kwargs):
         raise AssertionError("pdjax report recomputed the experiment")
-    monkeypatch.setattr(serving, "simulate", no_compute)
+    monkeypatch.setattr(colocated_vs_pd, "simulate", no_compute)
     monkeypatch.setattr(serving, "max_rate_under_slo", no_compute)
     assert cli.main(["report", run_dir]) == 0
     assert open(report).read() == written
@@ -180,8 +178,8 @@ def test_every_experiment_has_a_documented_scale_knob(path):
     first_table = next(i for i, line in enumerate(lines) if line.startswith("["))
     (at,) = [i for i, line in enumerate(lines) if re.match(r"scale\s*=", line)]
     assert at < first_table and lines[at - 1].startswith("#")           # top-level, with its comment
-    assert runner.load_config(path)["scale"] == 1
-    assert runner.load_config(path, ["scale=4"])["scale"] == 4
+    assert runner.load_config(path).scale == 1
+    assert runner.load_config(path, ["scale=4"]).scale == 4
 
 
 def test_scale_multiplies_the_work(tmp_path, tiny_sim):
@@ -191,8 +189,7 @@ def test_scale_multiplies_the_work(tmp_path, tiny_sim):
         path.write_text(text)
         run_dir = run_cli(path, tmp_path / "runs", "--set", "scale=2")
         assert check(json.load(open(os.path.join(run_dir, "metrics.json")))["metrics"])
-    cfg = runner.load_config(tiny_sim, ["scale=3", "search.duration=2.0"])
-    c = serving._parse(serving.ColocatedVsPDConfig, cfg)
+    c = serving.scaled(runner.load_config(tiny_sim, ["scale=3", "search.duration=2.0"]))
     assert (c.workload.num_requests, c.search.duration) == (180, 6.0)
 
 

@@ -11,11 +11,9 @@ from pdjax import analysis
 
 from pdjax.experiments import cli, runner
 
-ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
-
 
 def test_quickstart_runs_and_writes_report(tmp_path):
-    src = open(os.path.join(ROOT, "experiments", "quickstart.toml")).read()
+    src = runner.shipped_configs().joinpath("quickstart.toml").read_text()
     small = src.replace("batch = 4", "batch = 2").replace("prompt_len = 32", "prompt_len = 8") \
                .replace("max_new_tokens = 16", "max_new_tokens = 4") \
                .replace("long_requests = 2", "long_requests = 0") \
@@ -46,11 +44,11 @@ def test_quickstart_runs_and_writes_report(tmp_path):
     assert os.path.isfile(os.path.join(out_dir, "executed_pipeline", "1f1b.svg"))
     # the AFD sweep: the afd_ratio experiment's simulated rows, one per (context, ratio)
     from pdjax.experiments import afd_ratio
-    d = afd_ratio.DEFAULTS
+    d = afd_ratio.Sweep()
     afd = result.metrics["afd"]
     assert "## AF disaggregation" in report
     assert [(r["context"], r["M:N"]) for r in afd["rows"]] == [
-        (ctx, f"{M}A{d['sweep']['ffn']}F") for ctx in d["sweep"]["contexts"] for M in d["sweep"]["attention"]]
+        (ctx, f"{M}A{d.ffn}F") for ctx in d.contexts for M in d.attention]
     assert all(r["speedup"] > 0 for r in afd["rows"])
 
 
@@ -93,12 +91,11 @@ def test_dbo_sweep_experiment(tmp_path):
 
 
 def test_every_experiment_config_names_a_known_kind():
-    import glob
-    files = sorted(glob.glob(os.path.join(ROOT, "experiments", "*.toml")))
-    assert len(files) >= 8
-    for f in files:
-        cfg = runner.load_config(f)
-        assert cfg["kind"] in runner.EXPERIMENTS, f
+    names = sorted(p.name for p in runner.shipped_configs().iterdir() if p.name.endswith(".toml"))
+    assert names == sorted(f"{kind}.toml" for kind in runner.EXPERIMENTS)       # one config per kind
+    for kind in runner.EXPERIMENTS:
+        cfg = runner.load_config(kind)
+        assert cfg.kind == kind and cfg.name == kind, kind                       # file name == kind
 
 
 def test_pd_vs_colocated_small(tmp_path):
@@ -140,11 +137,11 @@ def test_set_overrides_land_in_the_resolved_config(tmp_path, capsys):
 ])
 def test_bad_overrides_name_the_key(tmp_path, override, match):
     with pytest.raises(ValueError, match=match):
-        runner.run("experiments/quickstart.toml", runs_dir=str(tmp_path / "runs"), overrides=[override])
+        runner.run("quickstart", runs_dir=str(tmp_path / "runs"), overrides=[override])
 
 
 def test_list_shows_every_experiment(capsys):
     assert cli.main(["list"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert len(out) == len([f for f in os.listdir("experiments") if f.endswith(".toml")])
-    assert any("executed_bubbles.toml" in line and "executed_bubbles" in line for line in out)
+    assert len(out) == len(runner.EXPERIMENTS)
+    assert any(line.startswith("executed_bubbles ") for line in out)

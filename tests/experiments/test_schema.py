@@ -52,9 +52,24 @@ def test_errors_name_the_dotted_key(data, message):
         schema.parse(Outer, data)
 
 
-def test_from_defaults_types_each_key_by_its_default():
-    cls = schema.from_defaults("demo", {"t": {"k": 1, "names": ["a"], "x": 0.5, "free": None}})
-    assert schema.to_dict(schema.parse(cls, {"t": {"x": 2, "free": [1]}})) == \
-        {"t": {"k": 1, "names": ["a"], "x": 2.0, "free": [1]}}
-    with pytest.raises(ValueError, match=r"t\.names\[0\]: expected str, got int"):
-        schema.parse(cls, {"t": {"names": [1]}})
+@pytest.mark.parametrize("data, message", [
+    ({"required": float("nan")}, "required: must be a finite number, got nan"),
+    ({"required": 1, "xs": [1.0, float("inf")]}, r"xs\[1\]: must be a finite number, got inf"),
+    ({"required": 1, "length": {"kind": "lognormal", "mean": float("nan")}}, "length.mean: must be a finite number"),
+])
+def test_numbers_that_are_not_finite_are_refused_anywhere(data, message):
+    with pytest.raises(ValueError, match=message):
+        schema.parse(Outer, data)
+
+
+def test_header_names_the_run_directory_after_the_kind():
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class Config(schema.Header):
+        inner: Inner = schema.table(Inner)
+
+    assert schema.parse(Config, {"kind": "k"}).name == "k"
+    assert schema.parse(Config, {"kind": "k", "name": "n", "scale": 2}) == Config(kind="k", name="n", scale=2)
+    with pytest.raises(ValueError, match="name: must be a non-empty directory name"):
+        schema.parse(Config, {"kind": "k", "name": "a/b"})
+    with pytest.raises(ValueError, match="inner.n: unlucky"):
+        schema.parse(Config, {"kind": "k", "inner": {"n": 13}})

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from pdjax.experiments import results, serving
+from pdjax.experiments import colocated_vs_pd, prefix_cache_capacity, results, runner, serving
 
 SMALL = {
     "model": {"preset": "deepseek_v3"},
@@ -29,7 +29,7 @@ def test_experiment_runners_write_their_outputs(tmp_path, kind, extra):
     cfg = {"kind": kind, "name": kind, **SMALL, **extra}
     if kind == "prefix_cache_capacity":
         cfg.pop("search")                                   # it searches no rate
-    result = serving.RUNNERS[kind](cfg, str(tmp_path))
+    result = runner.EXPERIMENTS[kind].runner(runner.resolve(cfg), str(tmp_path))
     assert isinstance(result.headline, str) and result.headline and result.metrics["rows"]
     results.write(result, str(tmp_path))
     names = set(os.listdir(tmp_path))
@@ -44,12 +44,13 @@ def test_experiment_runners_write_their_outputs(tmp_path, kind, extra):
     ({"pd": {"token_budget": "big"}}, "pd: PDDisaggregated.token_budget"),
 ])
 def test_serving_configs_are_checked_before_simulating(tmp_path, monkeypatch, change, message):
-    monkeypatch.setattr(serving, "simulate", lambda *a, **k: pytest.fail("simulated a bad config"))
+    for module in (colocated_vs_pd, prefix_cache_capacity):
+        monkeypatch.setattr(module, "simulate", lambda *a, **k: pytest.fail("simulated a bad config"))
+    monkeypatch.setattr(serving, "max_rate_under_slo", lambda *a, **k: pytest.fail("simulated a bad config"))
     cfg = {**SMALL, "deployment": {"instances": 2, "prefill": 1}, **change}
+    kind = "colocated_vs_pd"
     if "sweep" in change:
         cfg.pop("deployment")
-        with pytest.raises(ValueError, match=message):
-            serving.run_link_bandwidth(cfg, str(tmp_path))
-    else:
-        with pytest.raises(ValueError, match=message):
-            serving.run_colocated_vs_pd(cfg, str(tmp_path))
+        kind = "link_bandwidth"
+    with pytest.raises(ValueError, match=message):
+        runner.EXPERIMENTS[kind].runner(runner.resolve({"kind": kind, **cfg}), str(tmp_path))

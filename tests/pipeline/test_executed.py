@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from pdjax.experiments import runner
-from pdjax.pipeline.executed import COLUMNS, markdown_table, measure_executor, text_table
+from pdjax.experiments.executed_bubbles import report_table
+from pdjax.pipeline.executed import COLUMNS, measure_executor, text_table
 
 
 def _check_row(row):
@@ -31,7 +32,7 @@ def test_measured_row(executor, exec_params, exec_tokens):
     assert row.measured.makespan == row.measured_makespan_ms == sorted(row.step_makespans_ms)[1]
     assert list(row.simulated.peak_memory) == list(row.simulated_peak_bytes)
     assert set(COLUMNS) <= set(row.as_dict()) and json.dumps(row.as_dict())
-    assert "zb1p" in markdown_table([row]) and "zb1p" in text_table([row])
+    assert "zb1p" in report_table([row]) and "zb1p" in text_table([row])
 
 
 def test_experiment_writes_table_and_plots(tmp_path, exec_cfg, exec_tokens, executor):

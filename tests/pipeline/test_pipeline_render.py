@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import pdjax.schedules as pp
-from pdjax.schedules.sweep import run_bubble_sweep
+from pdjax.experiments.bubble_sweep import run_bubble_sweep
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,7 +57,7 @@ def test_notebook_display(timeline):
 
 
 def test_bubble_sweep_config_runs(tmp_path):
-    cfg = tomllib.loads((ROOT / "experiments" / "bubble_sweep.toml").read_text())
+    cfg = tomllib.loads((ROOT / "pdjax" / "experiments" / "configs" / "bubble_sweep.toml").read_text())
     assert cfg["sweep"]["num_stages"] == [4, 8, 16, 32]
     small = {"sweep": dict(cfg["sweep"], num_stages=[4, 8], microbatch_multipliers=[1, 2]), "costs": cfg["costs"]}
     out = run_bubble_sweep(small, tmp_path)
