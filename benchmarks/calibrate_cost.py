@@ -4,7 +4,7 @@ backend, and report the error on held-out shapes (target: median <= 10 %):
 * prefill cost(q, c) = a q^2 + b q c + g q (+ d) of one chunked-prefill call;
 * decode t(B, K) = d0 + d1 B + d2 K of one decode step (B requests, K = B L cached tokens).
 
-Prefill protocol (pdjax.analysis.calibrate): a cache of c + q positions is filled with a
+Prefill protocol (pdjax.timing.calibrate): a cache of c + q positions is filled with a
 real prefix of c tokens by chunked prefill, then a chunk of q tokens continuing from it is
 timed (block_until_ready), compilation and warm-up excluded, repeats interleaved over the
 shapes in shuffled rounds. The same measurements are fitted four ways: the source
@@ -13,7 +13,7 @@ repeats.
 Column "MoE C": base rows per expert of the bucketed MoE (the CPU default), ceil(1.125 * 2q / 16)
 (:func:`pdjax.model.moe.bucket_layout`; chunks of <= 16 tokens run through every expert).
 
-Decode protocol (pdjax.analysis.calibrate_decode): B requests of L cached tokens each in a
+Decode protocol (pdjax.timing.calibrate_decode): B requests of L cached tokens each in a
 cache of exactly L + 1 positions (filled by a real prefill of L_max tokens, first L kept;
 8 distinct prompts, repeated for B > 8), one decode step timed per call, same interleaving;
 fitted on the median and on the min of the repeats.
@@ -32,6 +32,7 @@ import jax
 
 import pdjax
 from pdjax import analysis as A
+from pdjax import timing
 from pdjax.model import moe as moe_lib
 
 jax.config.update("jax_compilation_cache_dir",
@@ -55,7 +56,7 @@ def moe_rows(cfg, q: int) -> int:
 
 def prefill_report(params, cfg, repeats: int, seed: int) -> None:
     t0 = time.perf_counter()
-    result = A.calibrate(params, cfg, FIT, repeats=repeats, holdout=HELD_OUT, seed=seed)
+    result = timing.calibrate(params, cfg, FIT, repeats=repeats, holdout=HELD_OUT, seed=seed)
     elapsed = time.perf_counter() - t0
 
     print(f"== prefill: configs.small() ({cfg.num_hidden_layers} layers, hidden "
@@ -91,7 +92,7 @@ def prefill_report(params, cfg, repeats: int, seed: int) -> None:
 
 def decode_report(params, cfg, repeats: int, seed: int) -> None:
     t0 = time.perf_counter()
-    result = A.calibrate_decode(params, cfg, DECODE_FIT, repeats=repeats,
+    result = timing.calibrate_decode(params, cfg, DECODE_FIT, repeats=repeats,
                                 holdout=DECODE_HELD_OUT, seed=seed,
                                 distinct_rows=DECODE_DISTINCT_ROWS)
     elapsed = time.perf_counter() - t0

@@ -19,7 +19,6 @@ module (``pdjax.analysis.kv.kv_elements_per_token``, ``pdjax.analysis.units.GiB`
 
 from pdjax.analysis.afd import afd_min_microbatches, afd_speedup
 from pdjax.analysis.costmodel import Efficiency, RooflineCostModel
-from pdjax.analysis.costmodel_calibrate import calibrate, calibrate_decode
 from pdjax.analysis.costmodel_fit import fit_decode_cost, fit_prefill_cost
 from pdjax.analysis.hardware import HardwareSpec, hardware, register_hardware
 from pdjax.analysis.kv import (concurrency_bound, free_memory_bytes, handoff_to_prefill_ratio, kv_bytes_per_token,
@@ -32,7 +31,7 @@ from pdjax.schedules.formulas import bubble_ratio_1f1b, min_microbatches_1f1b
 
 __all__ = [
     "Efficiency", "HardwareSpec", "RooflineCostModel", "afd_min_microbatches", "afd_speedup", "attention_intensity",
-    "bubble_ratio_1f1b", "calibrate", "calibrate_decode", "concurrency_bound", "decode_batch_for_context",
+    "bubble_ratio_1f1b", "concurrency_bound", "decode_batch_for_context",
     "ep_weight_bytes_per_gpu", "fit_decode_cost", "fit_prefill_cost", "free_memory_bytes",
     "handoff_to_prefill_ratio", "hardware", "kv_bytes_per_token", "kv_handoff_time", "machine_balance",
     "min_microbatches_1f1b", "param_counts", "register_hardware", "report", "weight_intensity",
@@ -43,8 +42,7 @@ _MOVED = {
     **dict.fromkeys(("afd_min_microbatches_int", "attention_share", "dbo_hides_ffn"), "afd"),
     "bubble_table": "bubbles",
     **dict.fromkeys(("OpCost", "expected_distinct_experts"), "costmodel"),
-    **dict.fromkeys(("CalibrationResult", "DecodeCalibrationResult", "measure_decode", "measure_prefill"),
-                    "costmodel_calibrate"),
+    **dict.fromkeys(("CalibrationResult", "DecodeCalibrationResult"), "costmodel_calibrate"),
     **dict.fromkeys(("DecodeCostFit", "PrefillCostFit"), "costmodel_fit"),
     **dict.fromkeys(("FIGURES", "PRESET_NAMES", "dtype_bytes", "hardware_names", "unregister_hardware"), "hardware"),
     **dict.fromkeys(("ATTENTION_KINDS", "concurrency_bound_both_units", "kv_bytes_per_sequence",
@@ -64,9 +62,8 @@ def __getattr__(name):
     import importlib
     import warnings
 
-    if name in _MOVED or name in ("ParamCounts", "microbatches_for_bubble"):
-        where = {"ParamCounts": "pdjax.param_counts", "microbatches_for_bubble": "pdjax.schedules.formulas"}.get(
-            name, f"pdjax.analysis.{_MOVED.get(name)}")
+    if name in _MOVED or name in _ELSEWHERE:
+        where = _ELSEWHERE.get(name) or f"pdjax.analysis.{_MOVED[name]}"
         attr = "min_microbatches_1f1b" if name == "microbatches_for_bubble" else name
         warnings.warn(f"pdjax.analysis.{name} is {where}.{attr} (off the analysis face; this alias goes in the "
                       "next release)", DeprecationWarning, stacklevel=2)
@@ -76,5 +73,9 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+# moved out of analysis; the timing functions are runtime (they call the model), found by name at
+# call time so that nothing here imports them
+_ELSEWHERE = {"ParamCounts": "pdjax.param_counts", "microbatches_for_bubble": "pdjax.schedules.formulas",
+              **dict.fromkeys(("calibrate", "calibrate_decode", "measure_decode", "measure_prefill"), "pdjax.timing")}
 _SUBMODULES = ("afd", "bubbles", "costmodel", "costmodel_calibrate", "costmodel_fit", "kv", "moe", "published",
                "roofline", "units")

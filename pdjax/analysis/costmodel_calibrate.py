@@ -1,28 +1,13 @@
-"""Calibrate the prefill and decode cost models against the real JAX model.
+"""The cost model's calibration results: measured prefill and decode times summarised per
+shape, the fits (:mod:`costmodel_fit`) and their held-out errors, and the checks of the
+shapes to measure. Pure Python + numpy: the timing of the real model that fills them is
+:mod:`pdjax.timing` (``pdjax.timing.calibrate``, ``calibrate_decode``)."""
 
-Decode (:func:`calibrate_decode`, :func:`measure_decode`) is described there; the rest of
-this docstring is the prefill protocol.
-
-For each shape (q, c) a cache of ``c + q`` positions is filled with a real prefix of c
-tokens (chunked prefill in chunks of q), then a chunk of q new tokens is timed continuing
-from it (``pdjax.prefill(..., cache=...)``, ``jax.block_until_ready``). The timed call gets
-a fresh copy of the filled cache each time (the cache is donated); one untimed call on such
-a copy first compiles and warms exactly the timed program. Compilation and warm-up are
-excluded; repeats are interleaved over the shapes in a shuffled order, so a burst of
-load from other processes spreads over all shapes instead of biasing one; each shape's
-time is the median (or, on request, the min) of its repeats.
-
-pdjax's reference prefill attends over the whole cache buffer (masked), so a buffer of
-exactly c + q positions makes the attention cost that of (q, c).
-
-jax is imported lazily: ``import pdjax.analysis`` stays pure Python.
-"""
 
 from __future__ import annotations
 
 import dataclasses
-import time
-from typing import Optional, Sequence
+from typing import Optional
 
 import numpy as np
 
@@ -108,7 +93,7 @@ def _summarise(times: dict, shapes, holdout, statistic: str):
     return tuple(map(one, shapes)), tuple(map(one, holdout))
 
 
-def _check_shapes(name: str, shapes, labels=("q", "c"), lows=(1, 0)) -> list[tuple[int, int]]:
+def check_shapes(name: str, shapes, labels=("q", "c"), lows=(1, 0)) -> list[tuple[int, int]]:
     out = []
     for item in shapes:
         try:
@@ -126,86 +111,6 @@ def _check_shapes(name: str, shapes, labels=("q", "c"), lows=(1, 0)) -> list[tup
     if len(set(out)) != len(out):
         raise ValueError(f"{name} has duplicate shapes: {out}")
     return out
-
-
-def measure_prefill(params, cfg, shapes: Sequence[tuple[int, int]], repeats: int = 5, *,
-                    batch: int = 1, seed: int = 0) -> dict:
-    """Median seconds of one real chunked-prefill call for each (q, c) shape:
-    {(q, c): [seconds of each repeat]}. See the module docstring for the protocol."""
-    import jax
-    import jax.numpy as jnp
-
-    import pdjax
-    from pdjax.model.cache import init_cache
-    from pdjax.model.transformer import param_dtype
-
-    shapes = _check_shapes("shapes", shapes)
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
-    for q, c in shapes:
-        if q + c > cfg.max_position_embeddings:
-            raise ValueError(f"shape (q={q}, c={c}) exceeds max_position_embeddings="
-                             f"{cfg.max_position_embeddings}")
-    rng = np.random.default_rng(seed)
-
-    def tokens(n):
-        return rng.integers(0, cfg.vocab_size, (batch, n), dtype=np.int32)
-
-    def fresh(cache):
-        return jax.block_until_ready(jax.tree.map(jnp.copy, cache))
-
-    prepared = []
-    for q, c in shapes:
-        cache = init_cache(cfg, batch, q + c, param_dtype(params))
-        done = 0
-        while done < c:                  # the prefix, in chunks of q
-            n = min(q, c - done)
-            _, cache = pdjax.prefill(params, cfg, tokens(n), cache=cache)
-            done += n
-        cache = jax.block_until_ready(cache)
-        chunk = tokens(q)
-        # compile + warm-up on exactly what is timed (a copy of the filled cache: the fill's
-        # own calls may have compiled for other placements, e.g. params on a mesh)
-        jax.block_until_ready(pdjax.prefill(params, cfg, chunk, cache=fresh(cache)))
-        prepared.append(((q, c), cache, chunk))
-
-    times = {shape: [] for shape in shapes}
-    for _ in range(repeats):
-        for i in rng.permutation(len(prepared)):
-            shape, cache, chunk = prepared[i]
-            work = fresh(cache)
-            t0 = time.perf_counter()
-            jax.block_until_ready(pdjax.prefill(params, cfg, chunk, cache=work))
-            times[shape].append(time.perf_counter() - t0)
-    return times
-
-
-def calibrate(params, cfg, shapes: Sequence[tuple[int, int]], repeats: int = 5, *,
-              holdout: Sequence[tuple[int, int]] = (), intercept: bool = False,
-              batch: int = 1, seed: int = 0, statistic: str = "median") -> CalibrationResult:
-    """Measure the real prefill of ``cfg`` on the current jax backend for ``shapes`` (fit)
-    and ``holdout`` (held-out, measured in the same interleaved rounds), fit
-    cost(q, c) = a q^2 + b q c + g q (+ d with ``intercept=True``) to the medians of
-    ``shapes`` and report the held-out relative error. Needs >= 3 fitting shapes (4 with
-    the intercept). Keep shapes where a call takes well above the timer's noise (> ~5 ms).
-    ``statistic``: "median" (default) or "min" of the repeats (the min is robust to load
-    from other processes, which only ever adds time)."""
-    import jax
-
-    _check_statistic(statistic)
-
-    shapes = _check_shapes("shapes", shapes)
-    holdout = _check_shapes("holdout", holdout)
-    if set(shapes) & set(holdout):
-        raise ValueError(f"shapes and holdout overlap: {sorted(set(shapes) & set(holdout))}")
-    need = 4 if intercept else 3
-    if len(shapes) < need:
-        raise ValueError(f"calibrate needs at least {need} fitting shapes, got {len(shapes)}")
-    times = measure_prefill(params, cfg, shapes + holdout, repeats, batch=batch, seed=seed)
-    samples, held = _summarise(times, shapes, holdout, statistic)
-    return CalibrationResult(fit=fit_prefill_cost(samples, intercept=intercept), samples=samples,
-                             holdout=held, repeats=times, backend=jax.default_backend(),
-                             statistic=statistic)
 
 
 # ---- decode steps -----------------------------------------------------------------------------
@@ -278,8 +183,8 @@ def _summarise_decode(times: dict, shapes, holdout, statistic: str):
     return tuple(map(one, shapes)), tuple(map(one, holdout))
 
 
-def _check_decode_shapes(name: str, shapes, cfg) -> list[tuple[int, int]]:
-    out = _check_shapes(name, shapes, labels=("B", "L"), lows=(1, 1))
+def check_decode_shapes(name: str, shapes, cfg) -> list[tuple[int, int]]:
+    out = check_shapes(name, shapes, labels=("B", "L"), lows=(1, 1))
     for B, L in out:
         if L + 1 > cfg.max_position_embeddings:
             raise ValueError(f"{name}: shape (B={B}, L={L}) needs a cache of L + 1 = {L + 1} "
@@ -288,91 +193,43 @@ def _check_decode_shapes(name: str, shapes, cfg) -> list[tuple[int, int]]:
     return out
 
 
-def measure_decode(params, cfg, shapes: Sequence[tuple[int, int]], repeats: int = 5, *,
-                   seed: int = 0, distinct_rows: Optional[int] = None,
-                   prefill_tokens: int = 8192) -> dict:
-    """Seconds of one real ``pdjax.decode_step`` for each (B, L) shape: B requests, each
-    with L cached tokens, so the step reads K = B L cached tokens. Returns
-    {(B, L): [seconds of each repeat]}.
-
-    The cache of each shape holds exactly L + 1 positions (the reference decode attends
-    over the whole buffer, masked, so its cost is that of L cached tokens plus the new
-    one). Its contents come from one real ``pdjax.prefill(..., max_len=L_max + 1)`` of
-    random prompts of the longest L asked for: a shape's cache is the first L positions
-    of it (exactly the prefill of the first L tokens: the prefill is causal), cut to a
-    buffer of L + 1. ``distinct_rows`` (default: the largest B) prompts are prefilled, in
-    row groups of about ``prefill_tokens`` tokens to bound the prefill's memory, and a
-    batch of B > ``distinct_rows`` repeats them (the timing depends on the cache's
-    contents only through the MoE routing, which the distinct next tokens of each row
-    keep varied). Each shape is compiled and run once before timing; each timed call gets
-    a fresh copy of the cache (it is donated) and new random next tokens, and ends in
-    ``block_until_ready``. Repeats are interleaved over the shapes in shuffled rounds."""
-    import jax
-    import jax.numpy as jnp
-
-    import pdjax
-    from pdjax.model.cache import KVCache
-
-    shapes = _check_decode_shapes("shapes", shapes, cfg)
-    for name, value in (("repeats", repeats), ("prefill_tokens", prefill_tokens),
-                        ("distinct_rows", 1 if distinct_rows is None else distinct_rows)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    rng = np.random.default_rng(seed)
-
-    def tokens(*shape):
-        return rng.integers(0, cfg.vocab_size, shape, dtype=np.int32)
-
-    def fresh(cache):
-        return jax.block_until_ready(jax.tree.map(jnp.copy, cache))
-
-    L_max = max(L for _, L in shapes)
-    B_max = max(B for B, _ in shapes)
-    rows = B_max if distinct_rows is None else min(B_max, distinct_rows)
-    group = max(1, prefill_tokens // L_max)
-    parts = [pdjax.prefill(params, cfg, tokens(min(group, rows - start), L_max),
-                           max_len=L_max + 1)[1] for start in range(0, rows, group)]
-    full = jax.block_until_ready(tuple(jnp.concatenate(layer) for layer in
-                                       zip(*(p.kv for p in parts))))
-
-    prepared = []
-    for B, L in shapes:
-        pick = jnp.asarray(np.arange(B) % rows)
-        cache = jax.block_until_ready(KVCache(
-            kv=tuple(jnp.take(k[:, :L + 1], pick, axis=0) for k in full),
-            lengths=jnp.full((B,), L, jnp.int32)))
-        # compile + warm-up, excluded from the timings
-        jax.block_until_ready(pdjax.decode_step(params, cfg, tokens(B), fresh(cache)))
-        prepared.append(((B, L), cache))
-    del parts, full
-
-    times = {shape: [] for shape in shapes}
-    for _ in range(repeats):
-        for i in rng.permutation(len(prepared)):
-            (B, L), cache = prepared[i]
-            nxt = jax.block_until_ready(jnp.asarray(tokens(B)))
-            work = fresh(cache)
-            t0 = time.perf_counter()
-            jax.block_until_ready(pdjax.decode_step(params, cfg, nxt, work))
-            times[(B, L)].append(time.perf_counter() - t0)
-    return times
+def prefill_result(times: dict, shapes, holdout, *, intercept: bool, statistic: str,
+                   backend: str) -> CalibrationResult:
+    """The result of measured prefill ``times`` {(q, c): [seconds]}: fitted to ``shapes``,
+    ``holdout`` only predicted."""
+    samples, held = _summarise(times, shapes, holdout, statistic)
+    return CalibrationResult(fit=fit_prefill_cost(samples, intercept=intercept), samples=samples,
+                             holdout=held, repeats=times, backend=backend, statistic=statistic)
 
 
-def calibrate_decode(params, cfg, shapes: Sequence[tuple[int, int]], repeats: int = 5, *,
-                     holdout: Sequence[tuple[int, int]] = (), seed: int = 0,
-                     statistic: str = "median", distinct_rows: Optional[int] = None,
-                     prefill_tokens: int = 8192) -> DecodeCalibrationResult:
-    """Measure real decode steps of ``cfg`` on the current jax backend for ``shapes``
-    (B requests, L cached tokens each; fitted) and ``holdout`` (measured in the same
-    interleaved rounds, only predicted), fit t(B, K) = d0 + d1 B + d2 K with K = B L to the
-    ``statistic`` ("median" or "min") of each fitted shape's repeats, and report the
-    held-out relative error. Needs >= 3 fitting shapes that vary both B and K
-    independently (the columns [1, B, K] of full rank). See :func:`measure_decode`."""
-    import jax
-
+def check_prefill_plan(shapes, holdout, intercept: bool, statistic: str):
+    """(shapes, holdout) checked for a prefill calibration: integer (q, c) pairs, disjoint,
+    enough fitting shapes for the model (3, 4 with the intercept)."""
     _check_statistic(statistic)
-    shapes = _check_decode_shapes("shapes", shapes, cfg)
-    holdout = _check_decode_shapes("holdout", holdout, cfg)
+    shapes = check_shapes("shapes", shapes)
+    holdout = check_shapes("holdout", holdout)
+    if set(shapes) & set(holdout):
+        raise ValueError(f"shapes and holdout overlap: {sorted(set(shapes) & set(holdout))}")
+    need = 4 if intercept else 3
+    if len(shapes) < need:
+        raise ValueError(f"calibrate needs at least {need} fitting shapes, got {len(shapes)}")
+    return shapes, holdout
+
+
+def decode_result(times: dict, shapes, holdout, *, statistic: str, backend: str) -> DecodeCalibrationResult:
+    """The result of measured decode ``times`` {(B, L): [seconds]}: t(B, K) fitted to
+    ``shapes``, ``holdout`` only predicted."""
+    samples, held = _summarise_decode(times, shapes, holdout, statistic)
+    return DecodeCalibrationResult(fit=fit_decode_cost(samples), samples=samples, holdout=held,
+                                   repeats=times, backend=backend, statistic=statistic)
+
+
+def check_decode_plan(shapes, holdout, cfg, statistic: str):
+    """(shapes, holdout) checked for a decode calibration: (B, L) pairs that fit the context,
+    disjoint, at least 3 fitting shapes that separate d0, d1 and d2."""
+    _check_statistic(statistic)
+    shapes = check_decode_shapes("shapes", shapes, cfg)
+    holdout = check_decode_shapes("holdout", holdout, cfg)
     if set(shapes) & set(holdout):
         raise ValueError(f"shapes and holdout overlap: {sorted(set(shapes) & set(holdout))}")
     if len(shapes) < 3:
@@ -382,9 +239,4 @@ def calibrate_decode(params, cfg, shapes: Sequence[tuple[int, int]], repeats: in
     if np.linalg.matrix_rank(decode_design_matrix(Bs, Ks)) < 3:
         raise ValueError("calibrate_decode: the fitting shapes do not separate d0, d1 and d2 "
                          "(vary B and K = B L independently, e.g. two B at two L)")
-    times = measure_decode(params, cfg, shapes + holdout, repeats, seed=seed,
-                           distinct_rows=distinct_rows, prefill_tokens=prefill_tokens)
-    samples, held = _summarise_decode(times, shapes, holdout, statistic)
-    return DecodeCalibrationResult(fit=fit_decode_cost(samples), samples=samples, holdout=held,
-                                   repeats=times, backend=jax.default_backend(),
-                                   statistic=statistic)
+    return shapes, holdout

@@ -172,7 +172,7 @@ class Executor:
         """Checks of a token batch [B,T] before any compute. A host array is checked fully
         (shape, dtype, ids in the vocabulary) and returned as int32 numpy; a jax.Array only
         by shape and dtype (reading its values would wait for the device)."""
-        return ec.check_batch(tokens, self.cfg.vocab_size, self.check_shape)
+        return ec.check_batch(tokens, self.cfg, self.schedule.num_microbatches, self.devices_per_rank)
 
     def check_shape(self, batch_shape) -> None:
         """A batch [B,T] must split into the micro-batches and over a rank's devices."""

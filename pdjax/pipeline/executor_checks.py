@@ -44,23 +44,24 @@ def check_setup(schedule, cfg: ModelConfig, devices, loss: str) -> tuple[list, i
     return devices, k, lengths.pop()
 
 
-def check_batch(tokens, vocab_size: int, check_shape):
+def check_batch(tokens, cfg: ModelConfig, num_microbatches: int, devices_per_rank: int):
     """A token batch [B,T]: a host array is checked fully (shape, dtype, ids in
     ``[0, vocab_size)``) and returned as int32 numpy; a jax.Array only by shape and dtype
-    (reading its values would wait for the device). ``check_shape(shape)`` checks [B,T]."""
+    (reading its values would wait for the device). [B,T] is checked by :func:`check_shape`."""
+    vocab_size = cfg.vocab_size
     if isinstance(tokens, jax.Array):
         if not tokens.is_fully_addressable:
             raise ValueError("tokens must be fully addressable")
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ValueError(f"tokens must be integer ids [B, T], got {tokens.dtype} {tokens.shape}")
-        check_shape(tokens.shape)
+        check_shape(tokens.shape, cfg, num_microbatches, devices_per_rank)
         return tokens.astype(jnp.int32)
     arr = np.asarray(tokens)
     if arr.ndim != 2:
         raise ValueError(f"tokens must be [B, T], got shape {arr.shape}")
     if not np.issubdtype(arr.dtype, np.integer):
         raise TypeError(f"tokens must be integer ids, got dtype {arr.dtype}")
-    check_shape(arr.shape)
+    check_shape(arr.shape, cfg, num_microbatches, devices_per_rank)
     if arr.min() < 0 or arr.max() >= vocab_size:
         bad = int(arr.min()) if arr.min() < 0 else int(arr.max())
         raise ValueError(f"tokens hold id {bad}, outside [0, vocab_size={vocab_size})")

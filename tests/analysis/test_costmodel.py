@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import pdjax
 from pdjax import analysis as A
+from pdjax import timing
 from pdjax.analysis.units import GB
 
 
@@ -348,7 +349,7 @@ def test_calibrate_tiny_real_prefill(tiny_cfg, tiny_params):
     # calls of ~10-150 ms: far above the timer, and the q^2 growth dominates the noise of a
     # shared machine (a 5 ms call can take 15 ms under load)
     shapes = [(256, 0), (512, 0), (1024, 0), (512, 512)]
-    result = A.calibrate(tiny_params, tiny_cfg, shapes, repeats=5, holdout=[(256, 256)])
+    result = timing.calibrate(tiny_params, tiny_cfg, shapes, repeats=5, holdout=[(256, 256)])
     assert result.fit.r2 > 0.9, result.table()
     assert [s[:2] for s in result.samples] == shapes and len(result.holdout) == 1
     assert all(t > 0 for _, _, t in result.samples + result.holdout)
@@ -364,19 +365,19 @@ def test_calibrate_tiny_real_prefill(tiny_cfg, tiny_params):
 
 def test_calibrate_bad_input(tiny_cfg, tiny_params):
     with pytest.raises(ValueError, match="at least 3"):
-        A.calibrate(tiny_params, tiny_cfg, [(8, 0), (16, 0)])
+        timing.calibrate(tiny_params, tiny_cfg, [(8, 0), (16, 0)])
     with pytest.raises(ValueError, match="overlap"):
-        A.calibrate(tiny_params, tiny_cfg, [(8, 0), (16, 0), (32, 0)], holdout=[(8, 0)])
+        timing.calibrate(tiny_params, tiny_cfg, [(8, 0), (16, 0), (32, 0)], holdout=[(8, 0)])
     with pytest.raises(ValueError, match="q >= 1"):
-        A.calibrate(tiny_params, tiny_cfg, [(0, 0), (16, 0), (32, 0)])
+        timing.calibrate(tiny_params, tiny_cfg, [(0, 0), (16, 0), (32, 0)])
     with pytest.raises(ValueError, match="integer"):
-        A.calibrate(tiny_params, tiny_cfg, [(8.5, 0), (16, 0), (32, 0)])
+        timing.calibrate(tiny_params, tiny_cfg, [(8.5, 0), (16, 0), (32, 0)])
     with pytest.raises(ValueError, match="max_position_embeddings"):
-        A.calibrate(tiny_params, tiny_cfg, [(8, 0), (16, 0), (32, 2000)])
+        timing.calibrate(tiny_params, tiny_cfg, [(8, 0), (16, 0), (32, 2000)])
     with pytest.raises(ValueError, match="statistic"):
-        A.calibrate(tiny_params, tiny_cfg, [(8, 0), (16, 0), (32, 0)], statistic="mean")
+        timing.calibrate(tiny_params, tiny_cfg, [(8, 0), (16, 0), (32, 0)], statistic="mean")
     with pytest.raises(ValueError, match="repeats"):
-        A.costmodel_calibrate.measure_prefill(tiny_params, tiny_cfg, [(8, 0)], repeats=0)
+        timing.measure_prefill(tiny_params, tiny_cfg, [(8, 0)], repeats=0)
 
 
 # ---- fitted decode step cost t(B, K) = d0 + d1 B + d2 K ------------------------------------
@@ -457,7 +458,7 @@ def test_calibrate_decode_tiny_real(tiny_cfg, tiny_params):
     measurements (R^2 > 0.9). Steps of ~1-10 ms: the K = 32,000 corner's attention over
     the latent cache dominates the noise of a shared machine."""
     shapes = [(1, 128), (32, 128), (1, 1000), (32, 1000)]
-    result = A.calibrate_decode(tiny_params, tiny_cfg, shapes, repeats=5, holdout=[(16, 512)],
+    result = timing.calibrate_decode(tiny_params, tiny_cfg, shapes, repeats=5, holdout=[(16, 512)],
                                 distinct_rows=8)
     assert result.fit.r2 > 0.9, result.table()
     assert [(B, K) for B, K, _ in result.samples] == [(B, B * L) for B, L in shapes]
@@ -477,23 +478,23 @@ def test_calibrate_decode_tiny_real(tiny_cfg, tiny_params):
 def test_calibrate_decode_bad_input(tiny_cfg, tiny_params):
     ok = [(1, 8), (2, 8), (2, 16)]
     with pytest.raises(ValueError, match="at least 3"):
-        A.calibrate_decode(tiny_params, tiny_cfg, ok[:2])
+        timing.calibrate_decode(tiny_params, tiny_cfg, ok[:2])
     with pytest.raises(ValueError, match="separate"):       # K constant: d0 and d2 collide
-        A.calibrate_decode(tiny_params, tiny_cfg, [(1, 64), (2, 32), (4, 16)])
+        timing.calibrate_decode(tiny_params, tiny_cfg, [(1, 64), (2, 32), (4, 16)])
     with pytest.raises(ValueError, match="overlap"):
-        A.calibrate_decode(tiny_params, tiny_cfg, ok, holdout=[(1, 8)])
+        timing.calibrate_decode(tiny_params, tiny_cfg, ok, holdout=[(1, 8)])
     with pytest.raises(ValueError, match="B >= 1"):
-        A.calibrate_decode(tiny_params, tiny_cfg, [(0, 8), (2, 8), (2, 16)])
+        timing.calibrate_decode(tiny_params, tiny_cfg, [(0, 8), (2, 8), (2, 16)])
     with pytest.raises(ValueError, match="L >= 1"):
-        A.calibrate_decode(tiny_params, tiny_cfg, [(1, 0), (2, 8), (2, 16)])
+        timing.calibrate_decode(tiny_params, tiny_cfg, [(1, 0), (2, 8), (2, 16)])
     with pytest.raises(ValueError, match="integer"):
-        A.calibrate_decode(tiny_params, tiny_cfg, [(1.5, 8), (2, 8), (2, 16)])
+        timing.calibrate_decode(tiny_params, tiny_cfg, [(1.5, 8), (2, 8), (2, 16)])
     with pytest.raises(ValueError, match="duplicate"):
-        A.calibrate_decode(tiny_params, tiny_cfg, [(1, 8), (1, 8), (2, 8), (2, 16)])
+        timing.calibrate_decode(tiny_params, tiny_cfg, [(1, 8), (1, 8), (2, 8), (2, 16)])
     with pytest.raises(ValueError, match="max_position_embeddings"):
-        A.calibrate_decode(tiny_params, tiny_cfg, [(1, 8), (2, 8), (2, 1024)])
+        timing.calibrate_decode(tiny_params, tiny_cfg, [(1, 8), (2, 8), (2, 1024)])
     with pytest.raises(ValueError, match="statistic"):
-        A.calibrate_decode(tiny_params, tiny_cfg, ok, statistic="mean")
+        timing.calibrate_decode(tiny_params, tiny_cfg, ok, statistic="mean")
     for kwargs in (dict(repeats=0), dict(distinct_rows=0), dict(prefill_tokens=True)):
         with pytest.raises(ValueError, match=next(iter(kwargs))):
-            A.costmodel_calibrate.measure_decode(tiny_params, tiny_cfg, [(1, 8)], **kwargs)
+            timing.measure_decode(tiny_params, tiny_cfg, [(1, 8)], **kwargs)
