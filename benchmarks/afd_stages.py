@@ -4,7 +4,7 @@ models fed those stages (pdjax.experiments.afd_measure.measure_afd).
 Per micro-batch count m: T_attn, T_ffn, T_a2f, T_f2a (medians per MoE layer per micro-batch,
 from the engine's timeline), the measured decode step (median inter-token latency once every
 prefill is done), the issue-order model (XLA:CPU runs the attention and FFN programs one at a
-time in issue order), the overlap model (pdjax.sim.afd.AFDStepModel, both sides at once, as on
+time in issue order), the overlap model (pdjax.sim.afd_step.AFDStepModel, both sides at once, as on
 GPUs), their errors, the ping-pong bound m >= 2(1 + T_c/T_f), the DBO condition and the
 speedup model against a colocated engine on the attention devices alone.
 

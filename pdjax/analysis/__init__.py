@@ -8,7 +8,7 @@
 
 Modules: ``units`` (GB vs GiB), ``hardware`` (presets, registry), ``pdjax.param_counts``
 (total and active parameter counts), ``roofline`` (intensity, machine balance), ``kv`` (KV bytes,
-C_max, handoff), ``moe`` (k/E bound, EP weight bytes), ``afd`` (ping-pong bound, speedup),
+C_max, handoff), ``moe_bounds`` (k/E bound, EP weight bytes), ``afd_bounds`` (ping-pong bound, speedup),
 ``bubbles`` (1F1B), ``published`` (deployment facts used as inputs), ``report``.
 See docs/analysis.md for the formulas and the assumptions behind the reference figures
 (the worked results of the source articles, recomputed in tests/analysis).
@@ -17,13 +17,13 @@ See docs/analysis.md for the formulas and the assumptions behind the reference f
 module (``pdjax.analysis.kv.kv_elements_per_token``, ``pdjax.analysis.units.GiB``, ...).
 """
 
-from pdjax.analysis.afd import afd_min_microbatches, afd_speedup
+from pdjax.analysis.afd_bounds import afd_min_microbatches, afd_speedup
 from pdjax.analysis.costmodel import Efficiency, RooflineCostModel
 from pdjax.analysis.costmodel_fit import fit_decode_cost, fit_prefill_cost
 from pdjax.analysis.hardware import HardwareSpec, hardware, register_hardware
 from pdjax.analysis.kv import (concurrency_bound, free_memory_bytes, handoff_to_prefill_ratio, kv_bytes_per_token,
                                kv_handoff_time)
-from pdjax.analysis.moe import decode_batch_for_context, ep_weight_bytes_per_gpu
+from pdjax.analysis.moe_bounds import decode_batch_for_context, ep_weight_bytes_per_gpu
 from pdjax.analysis.report import report
 from pdjax.analysis.roofline import attention_intensity, machine_balance, weight_intensity
 from pdjax.param_counts import param_counts
@@ -39,7 +39,7 @@ __all__ = [
 
 # ---- names that left the face: importable from their module; these aliases go next release ----
 _MOVED = {
-    **dict.fromkeys(("afd_min_microbatches_int", "attention_share", "dbo_hides_ffn"), "afd"),
+    **dict.fromkeys(("afd_min_microbatches_int", "attention_share", "dbo_hides_ffn"), "afd_bounds"),
     "bubble_table": "bubbles",
     **dict.fromkeys(("OpCost", "expected_distinct_experts"), "costmodel"),
     **dict.fromkeys(("CalibrationResult", "DecodeCalibrationResult"), "costmodel_calibrate"),
@@ -48,7 +48,7 @@ _MOVED = {
     **dict.fromkeys(("ATTENTION_KINDS", "concurrency_bound_both_units", "kv_bytes_per_sequence",
                      "kv_elements_per_token", "link_bw_for_handoff_ratio", "prefill_compute_time"), "kv"),
     **dict.fromkeys(("expert_balance_batch", "moe_mfu_bound", "tokens_per_expert", "tokens_per_expert_at_balance"),
-                    "moe"),
+                    "moe_bounds"),
     **dict.fromkeys(("DEEPSEEK_V3_SERVING", "FASTAFD_EXAMPLE", "MEGASCALE_INFER_EXAMPLE", "QWEN3_GB200_COLOCATED"),
                     "published"),
     **dict.fromkeys(("Report", "describe", "quickstart_section"), "report"),
@@ -70,6 +70,10 @@ def __getattr__(name):
         return getattr(importlib.import_module(where), attr)
     if name in _SUBMODULES:                   # a module not loaded yet (pdjax.analysis.units, ...)
         return importlib.import_module(f"{__name__}.{name}")
+    if name in _RENAMED:
+        warnings.warn(f"pdjax.analysis.{name} is pdjax.analysis.{_RENAMED[name]} (this alias goes in the next "
+                      "release)", DeprecationWarning, stacklevel=2)
+        return importlib.import_module(f"{__name__}.{_RENAMED[name]}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -77,5 +81,6 @@ def __getattr__(name):
 # call time so that nothing here imports them
 _ELSEWHERE = {"ParamCounts": "pdjax.param_counts", "microbatches_for_bubble": "pdjax.schedules.formulas",
               **dict.fromkeys(("calibrate", "calibrate_decode", "measure_decode", "measure_prefill"), "pdjax.timing")}
-_SUBMODULES = ("afd", "bubbles", "costmodel", "costmodel_calibrate", "costmodel_fit", "kv", "moe", "published",
+_SUBMODULES = ("afd_bounds", "bubbles", "costmodel", "costmodel_calibrate", "costmodel_fit", "kv", "moe_bounds", "published",
                "roofline", "units")
+_RENAMED = {"afd": "afd_bounds", "moe": "moe_bounds"}   # module names that said less than they hold

@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence
 
-from pdjax.analysis.afd import afd_exchange_bytes
+from pdjax.analysis.afd_bounds import afd_exchange_bytes
 from pdjax.analysis.hardware import HardwareLike, hardware
 from pdjax.analysis.kv import kv_bytes_per_token as _kv_bytes_per_token, kv_handoff_time
 from pdjax.param_counts import param_counts

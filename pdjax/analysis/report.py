@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence
 
-from pdjax.analysis import afd, bubbles, kv, moe, roofline
+from pdjax.analysis import afd_bounds, bubbles, kv, moe_bounds, roofline
 from pdjax.analysis.hardware import HardwareLike, hardware
 from pdjax.param_counts import param_counts
 from pdjax.arguments import check_int, check_nonnegative
@@ -111,9 +111,9 @@ def report(cfg: ModelConfig, hw: HardwareLike, *, context_len: int = 4096,
     moe_sheet = {}
     if cfg.n_routed_experts:
         moe_sheet = {
-            "mfu_bound_k_over_E": moe.moe_mfu_bound(cfg),
-            "tokens_per_expert_at_balance": moe.tokens_per_expert_at_balance(cfg, hw, compute_dtype, p_w),
-            "expert_balance_batch": moe.expert_balance_batch(cfg, hw, compute_dtype, p_w),
+            "mfu_bound_k_over_E": moe_bounds.moe_mfu_bound(cfg),
+            "tokens_per_expert_at_balance": moe_bounds.tokens_per_expert_at_balance(cfg, hw, compute_dtype, p_w),
+            "expert_balance_batch": moe_bounds.expert_balance_batch(cfg, hw, compute_dtype, p_w),
         }
 
     table = bubbles.bubble_table(pipeline_stages, microbatches)
@@ -122,8 +122,8 @@ def report(cfg: ModelConfig, hw: HardwareLike, *, context_len: int = 4096,
                 f"microbatches_for_bubble_below_{bubble_target:g}":
                     bubbles.min_microbatches_1f1b(pipeline_stages, bubble_target)}
 
-    afd_sheet = {"min_microbatches_Tc_half_Tf": afd.afd_min_microbatches(0.5, 1.0),
-                 "min_microbatches_Tc_eq_Tf": afd.afd_min_microbatches(1.0, 1.0)}
+    afd_sheet = {"min_microbatches_Tc_half_Tf": afd_bounds.afd_min_microbatches(0.5, 1.0),
+                 "min_microbatches_Tc_eq_Tf": afd_bounds.afd_min_microbatches(1.0, 1.0)}
 
     params = {"total": counts.total, "active": counts.active,
               "active_with_embedding": counts.active_with_embedding,
@@ -175,7 +175,7 @@ def _attention_section(cfg: ModelConfig, kv_dtype_bytes: float,
 def _memory_section(cfg: ModelConfig, counts, hbm: float, p_w: float, ep_size: int, ep_layout: str,
                     act_bytes: float, context_len: int, mla_kv: float, mha_kv: float) -> dict:
     """The [memory] section: weights per device, what is left of HBM, C_max MLA vs MHA."""
-    weights = moe.ep_weight_bytes_per_gpu(cfg, ep_size, p_w, ep_layout) if cfg.n_routed_experts \
+    weights = moe_bounds.ep_weight_bytes_per_gpu(cfg, ep_size, p_w, ep_layout) if cfg.n_routed_experts \
         else counts.total * p_w / check_int("ep_size", ep_size)
     free = hbm - weights - act_bytes
     fits = free > 0

@@ -16,7 +16,7 @@ threads slow the host), and what the models predict from those stage times:
   (docs/disagg.md), so it is the model a CPU measurement can be held against;
 * the ping-pong bound m >= 2 (1 + T_c / T_f) (:func:`pdjax.analysis.afd_min_microbatches`),
   the dual-batch-overlap condition T_attn(ub2) >= T_ffn(ub1) + T_comm
-  (:func:`pdjax.analysis.afd.dbo_hides_ffn`) and, with a colocated baseline measured on the
+  (:func:`pdjax.analysis.afd_bounds.dbo_hides_ffn`) and, with a colocated baseline measured on the
   attention devices alone, the speedup model (B_AFD/B_base)(T_base/T_AFD) M/(M+N)
   (:func:`pdjax.analysis.afd_speedup`; B_AFD = B_base: the same slots), measured with the
   step of a run without the timeline and predicted with the issue-order model's.
@@ -36,9 +36,9 @@ import re
 import numpy as np
 
 from pdjax.analysis import afd_min_microbatches, afd_speedup
-from pdjax.analysis.afd import attention_share, dbo_hides_ffn
+from pdjax.analysis.afd_bounds import attention_share, dbo_hides_ffn
 from pdjax.disagg.afd import op_times
-from pdjax.sim.afd import AFDStepModel, exchange_hidden
+from pdjax.sim.afd_step import AFDStepModel, exchange_hidden
 
 STREAMS = ("attention", "a2f", "ffn", "f2a")
 #: XLA:CPU runs the attention mesh's and the FFN mesh's programs one at a time: one resource.

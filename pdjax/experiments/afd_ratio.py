@@ -22,12 +22,12 @@ import dataclasses
 import math
 
 from pdjax.analysis import afd_min_microbatches, afd_speedup, hardware, param_counts
-from pdjax.analysis.afd import attention_share
+from pdjax.analysis.afd_bounds import attention_share
 from pdjax.configs import PRESETS
 from pdjax.experiments import progress
 from pdjax.experiments.results import Result, markdown_table
 from pdjax.experiments.schema import Header, knob, table
-from pdjax.sim.afd import AFDStepModel
+from pdjax.sim.afd_step import AFDStepModel
 from pdjax.sim.cost import LinearStepCost
 
 MAX_MICROBATCHES = 4           # the AFDEngine's ping-pong micro-batches

@@ -12,7 +12,7 @@ from pdjax.experiments import progress, serving
 from pdjax.experiments.results import Result
 from pdjax.experiments.schema import knob, table
 from pdjax.sim.deployment import PDDisaggregated
-from pdjax.sim.search import af_ratio_sweep, max_rate_under_slo, rate_runner, sustained_output_rate
+from pdjax.sim.sweeps import af_ratio_sweep, max_rate_under_slo, rate_runner, sustained_output_rate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +72,7 @@ def _plot(rows: list[dict], base: dict, m: int, title: str):
 def run(c: Config, out_dir: str) -> Result:
     """M:N sweep of one AF unit vs plain decode instances of the same count."""
     from pdjax.analysis import afd_speedup
-    from pdjax.analysis.afd import attention_share
+    from pdjax.analysis.afd_bounds import attention_share
     c = serving.scaled(c)
     cost, hw, ep, link, _ = serving.build_cost(c)
     slo, target = serving.slo(c)

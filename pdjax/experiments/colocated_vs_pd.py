@@ -12,7 +12,7 @@ from pdjax.experiments.results import Result
 from pdjax.experiments.schema import knob, table
 from pdjax.sim.deployment import Colocated, PDDisaggregated
 from pdjax.sim.simulator import simulate
-from pdjax.sim.search import _pick, rate_runner, workload_at_rate
+from pdjax.sim.sweeps import _pick, rate_runner, workload_at_rate
 
 
 @dataclasses.dataclass(frozen=True)

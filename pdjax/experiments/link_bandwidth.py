@@ -12,7 +12,7 @@ from pdjax.experiments import progress, serving
 from pdjax.experiments.results import Result
 from pdjax.experiments.schema import knob, table
 from pdjax.sim.deployment import Colocated, PDDisaggregated
-from pdjax.sim.search import max_rate_under_slo, rate_runner
+from pdjax.sim.sweeps import max_rate_under_slo, rate_runner
 
 
 @dataclasses.dataclass(frozen=True)

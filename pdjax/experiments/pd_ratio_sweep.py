@@ -10,7 +10,7 @@ from typing import Optional
 from pdjax.experiments import progress, serving
 from pdjax.experiments.results import Result
 from pdjax.experiments.schema import knob, table
-from pdjax.sim.search import pd_ratio_sweep
+from pdjax.sim.sweeps import pd_ratio_sweep
 
 
 @dataclasses.dataclass(frozen=True)

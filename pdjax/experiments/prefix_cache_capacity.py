@@ -13,7 +13,7 @@ from pdjax.experiments.schema import knob, table
 from pdjax.sim.deployment import PDDisaggregated
 from pdjax.sim.simulator import simulate
 from pdjax.sim.prefix_cache import PrefixCache
-from pdjax.sim.search import workload_at_rate
+from pdjax.sim.sweeps import workload_at_rate
 
 
 @dataclasses.dataclass(frozen=True)

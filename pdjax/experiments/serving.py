@@ -31,7 +31,7 @@ from pdjax.experiments.schema import Header, knob, table
 from pdjax.sim.cost import LinearStepCost
 from pdjax.sim.deployment import PDDisaggregated
 from pdjax.sim.metrics import SLO
-from pdjax.sim.search import max_rate_under_slo
+from pdjax.sim.sweeps import max_rate_under_slo
 from pdjax.sim.workload import WorkloadSpec, check_rate, length_dist
 
 SIMULATOR_NOTE = "Model: discrete-event serving simulation (pdjax.sim; docs/sim.md)."
@@ -179,5 +179,5 @@ def result(title: str, name: str, headline: str, rows: list[dict], fig, notes: s
 
 
 def search_rate(run, c, target: float, advance) -> dict:
-    """:func:`pdjax.sim.search.max_rate_under_slo` over ``c.search``, counting simulations."""
+    """:func:`pdjax.sim.sweeps.max_rate_under_slo` over ``c.search``, counting simulations."""
     return max_rate_under_slo(progress.counted(run, advance), lo=c.search.lo, hi=c.search.hi, target=target)

@@ -9,14 +9,14 @@
 
 Modules (one concept each): ``cost`` (the cost-model protocol, LinearStepCost),
 ``workload`` / ``trace`` (requests), ``prefix_cache`` (hash-chain LRU with TTL),
-``policies`` (balancers, chunk sizing), ``instances`` / ``colocated`` / ``afd`` (step planning),
+``policies`` (balancers, chunk sizing), ``instances`` / ``colocated`` / ``afd_step`` (step planning),
 ``deployment`` (specs), ``controller`` (dynamic P:D), ``simulator`` (the event loop), ``result``,
-``metrics``, ``search`` (sweeps and SLO binary search); the experiments built on them:
+``metrics``, ``sweeps`` (ratio sweeps and the SLO rate search); the experiments built on them:
 one module per kind in :mod:`pdjax.experiments` (``colocated_vs_pd``, ``pd_ratio_sweep``, ...).
 Pure Python + numpy (matplotlib for plots); no jax. See docs/sim.md.
 
 ``__all__`` is the face a notebook starts with; every other name is importable from its
-module (``pdjax.sim.policies.chunk_for_budget``, ``pdjax.sim.afd.AFDStepModel``, ...).
+module (``pdjax.sim.policies.chunk_for_budget``, ``pdjax.sim.afd_step.AFDStepModel``, ...).
 """
 
 import importlib
@@ -28,7 +28,7 @@ from pdjax.sim.deployment import AFDisaggregated, Colocated, PDDisaggregated
 from pdjax.sim.metrics import SLO
 from pdjax.sim.prefix_cache import PrefixCache
 from pdjax.sim.result import SimResult
-from pdjax.sim.search import af_ratio_sweep, max_rate_under_slo, pd_ratio_sweep, workload_at_rate
+from pdjax.sim.sweeps import af_ratio_sweep, max_rate_under_slo, pd_ratio_sweep, workload_at_rate
 from pdjax.sim.simulator import Simulator, simulate
 from pdjax.sim.trace import load_trace
 from pdjax.sim.workload import Request, WorkloadSpec, generate, length_dist
@@ -41,17 +41,18 @@ __all__ = [
 
 # ---- names that left the face: importable from their module; these aliases go next release ----
 _MOVED = {
-    **dict.fromkeys(("AFDStepModel", "afd_layer_cycle", "exchange_hidden"), "afd"),
+    **dict.fromkeys(("AFDStepModel", "afd_layer_cycle", "exchange_hidden"), "afd_step"),
     "PDController": "controller",
     **dict.fromkeys(("AFDCostModel", "StepCostModel", "check_cost_model"), "cost"),
     **dict.fromkeys(("percentiles", "summarize"), "metrics"),
     **dict.fromkeys(("DEFAULT_BUCKET_EDGES", "chunk_for_budget", "length_bucket", "pick_by_quota", "pick_decode"),
                     "policies"),
     **dict.fromkeys(("segment_chain_hashes", "token_chain_hashes"), "prefix_cache"),
-    "rate_runner": "search", "LengthDist": "workload",
+    "rate_runner": "sweeps", "LengthDist": "workload",
 }
-_SUBMODULES = ("afd", "colocated", "controller", "cost", "deployment", "instances", "metrics", "policies",
-               "prefix_cache", "result", "search", "simulator", "trace", "workload")
+_SUBMODULES = ("afd_step", "colocated", "controller", "cost", "deployment", "instances", "metrics", "policies",
+               "prefix_cache", "result", "simulator", "sweeps", "trace", "workload")
+_RENAMED = {"afd": "afd_step", "search": "sweeps"}   # module names another subpackage also used
 
 
 def __getattr__(name):
@@ -62,4 +63,8 @@ def __getattr__(name):
         return getattr(importlib.import_module(where), name)
     if name in _SUBMODULES:
         return importlib.import_module(f"{__name__}.{name}")
+    if name in _RENAMED:
+        warnings.warn(f"pdjax.sim.{name} is pdjax.sim.{_RENAMED[name]} (this alias goes in the next release)",
+                      DeprecationWarning, stacklevel=2)
+        return importlib.import_module(f"{__name__}.{_RENAMED[name]}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

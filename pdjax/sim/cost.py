@@ -39,7 +39,7 @@ import dataclasses
 import math
 from typing import Callable, Optional, Protocol, Sequence, runtime_checkable
 
-from pdjax.analysis.afd import afd_exchange_bytes
+from pdjax.analysis.afd_bounds import afd_exchange_bytes
 from pdjax.analysis import hardware, kv_bytes_per_token, param_counts
 from pdjax.analysis.roofline import attention_flops_per_token
 from pdjax.analysis.hardware import normalise_dtype

@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from pdjax.sim.afd import AFDStepModel
+from pdjax.sim.afd_step import AFDStepModel
 from pdjax.sim.colocated import ColocatedInstance
 from pdjax.sim.controller import PDController
 from pdjax.sim.cost import check_cost_model, num_layers_of

@@ -214,18 +214,18 @@ def test_moe_mfu_bound_and_tokens_per_expert():
     ex = A.published.MEGASCALE_INFER_EXAMPLE
     cfg = pdjax.ModelConfig(n_routed_experts=ex.n_routed_experts,
                             num_experts_per_tok=ex.num_experts_per_tok)
-    published(100 * A.moe.moe_mfu_bound(cfg), 25, 0)
+    published(100 * A.moe_bounds.moe_mfu_bound(cfg), 25, 0)
     a100 = A.hardware(ex.hardware)
     rounded = a100.replace(hbm_bw=round(a100.hbm_bw / TB) * TB)  # 2 TB/s, as the source
-    published(A.moe.tokens_per_expert_at_balance(cfg, rounded), 39, 0)
+    published(A.moe_bounds.tokens_per_expert_at_balance(cfg, rounded), 39, 0)
 
 
 def test_afd_microbatch_lower_bound():
     t_ffn = 1.0
     assert A.afd_min_microbatches(0.5 * t_ffn, t_ffn) == 3
-    assert A.afd.afd_min_microbatches_int(0.5 * t_ffn, t_ffn) == 3
+    assert A.afd_bounds.afd_min_microbatches_int(0.5 * t_ffn, t_ffn) == 3
     assert A.afd_min_microbatches(t_ffn, t_ffn) == 4             # the T_c -> T_f limit
-    assert A.afd.afd_min_microbatches_int(0.999 * t_ffn, t_ffn) == 4
+    assert A.afd_bounds.afd_min_microbatches_int(0.999 * t_ffn, t_ffn) == 4
 
 
 def test_afd_speedup_example():

@@ -13,7 +13,7 @@ import pytest
 
 import pdjax
 from pdjax.experiments import afd_measure, afd_ratio, runner
-from pdjax.sim.afd import afd_layer_cycle
+from pdjax.sim.afd_step import afd_layer_cycle
 
 
 def _span(stream, layer, mb, issued, ready, step=0):

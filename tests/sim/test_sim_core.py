@@ -106,13 +106,13 @@ def test_afd_single_request_matches_step_model(cost):
 
 
 def test_afd_cycle_hides_exchange_at_the_analytic_bound():
-    from pdjax.analysis.afd import afd_min_microbatches_int
+    from pdjax.analysis.afd_bounds import afd_min_microbatches_int
     t_f = 1.0
     for t_c in (0.25, 0.5, 0.9):
         m = afd_min_microbatches_int(t_c, t_f)
-        assert sim.afd.afd_layer_cycle(t_f, t_f, t_c, m) == pytest.approx(m * t_f)
-        assert sim.afd.exchange_hidden(t_f, t_f, t_c, m)
-        assert not sim.afd.exchange_hidden(t_f, t_f, t_c, m - 1)
+        assert sim.afd_step.afd_layer_cycle(t_f, t_f, t_c, m) == pytest.approx(m * t_f)
+        assert sim.afd_step.exchange_hidden(t_f, t_f, t_c, m)
+        assert not sim.afd_step.exchange_hidden(t_f, t_f, t_c, m - 1)
 
 
 def test_determinism_and_seed_sensitivity(cost):

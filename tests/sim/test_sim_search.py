@@ -25,7 +25,7 @@ def test_max_rate_bisection_finds_the_threshold():
 def test_attainment_falls_with_rate_and_the_search_brackets_it(cost):
     spec = sim.WorkloadSpec(num_requests=1, rate=1.0, input=2048, output=64, seed=0)
     slo = sim.SLO(ttft=0.5, tpot=0.02)
-    run = sim.search.rate_runner(spec, sim.PDDisaggregated(1, 1, link_bw=32 * 50e9), cost, slo, duration=10.0)
+    run = sim.sweeps.rate_runner(spec, sim.PDDisaggregated(1, 1, link_bw=32 * 50e9), cost, slo, duration=10.0)
     res = sim.max_rate_under_slo(run, lo=1.0, hi=8.0, rel_tol=0.05)
     r = res["rate"]
     assert res["feasible"] and r > 1.0
