@@ -182,3 +182,13 @@ def test_library_imports_nothing_from_tests(graph):
     test_modules = {p.stem for p in TESTS.rglob("*.py")} | {"tests"}
     used = {f"{name} -> {t}" for name, targets in graph.items() for t in targets if t in test_modules}
     assert not used, used
+
+
+def test_no_two_modules_share_a_name():
+    """A module's name says what it holds: no two pdjax modules (packages' __init__ aside) are
+    called the same (there were three engine.py, three afd.py, two search.py, ...)."""
+    by_name: dict = {}
+    for path in ROOT.rglob("*.py"):
+        if path.name != "__init__.py":
+            by_name.setdefault(path.stem, []).append(str(path.relative_to(ROOT.parent)))
+    assert not {k: v for k, v in by_name.items() if len(v) > 1}

@@ -44,13 +44,14 @@ import numpy as np
 from pdjax.config import ModelConfig
 from pdjax.disagg.decode import DecodePool
 from pdjax.disagg.link import DevicePutLink, checksum
-from pdjax.disagg.loop import DecodeLoop
+from pdjax.disagg.loop import DecodeLoop, FifoLock
 from pdjax.disagg.prefill import PrefillPool, chunk_plan
 from pdjax.disagg.prefix_store import PrefixStore
 from pdjax.disagg.request import Clock, Request, RequestError, SamplingParams, validate_request
 from pdjax.disagg.scheduler import (Admitted, CancelPrefill, DecodeScheduler, Failed, LayerArrived, StartPrefill,
                                     Submit, Token)
-from pdjax.disagg.scheduling import FifoLock, Signals, largest_chunk, measure_link_bandwidth, whole_buckets
+from pdjax.disagg.chunking import largest_chunk, whole_buckets
+from pdjax.disagg.signals import Signals, measure_link_bandwidth
 from pdjax.disagg.worker import PrefillJob, PrefillWorker
 
 

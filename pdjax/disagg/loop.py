@@ -7,7 +7,7 @@ scheduler events (stamped by the poster's clock, the loop's own) or callables
 ``f(loop)``, run on the loop's thread (control: a client's request, a restart, a shutdown).
 Each turn releases the arrivals that are due, takes what is in the inbox (waiting only when
 no request is running), ticks the scheduler's deadlines, and steps the running batch once
-(under ``step_lock``: a colocated engine's pool lock).
+(under ``step_lock``: a colocated engine's pool lock, a :class:`FifoLock`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,33 @@ import collections
 import contextlib
 import math
 import queue
+import threading
 
 from pdjax.disagg.scheduler import Stepped, Tick
+
+
+class FifoLock:
+    """A lock granted in request order: a prefill that releases it between chunks lets a
+    decode step that is already waiting run before its next chunk."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._waiting: collections.deque = collections.deque()
+        self._held = False
+
+    def __enter__(self):
+        me = object()
+        with self._cond:
+            self._waiting.append(me)
+            while self._held or self._waiting[0] is not me:
+                self._cond.wait()
+            self._waiting.popleft()
+            self._held = True
+
+    def __exit__(self, *exc):
+        with self._cond:
+            self._held = False
+            self._cond.notify_all()
 
 
 class DecodeLoop:

@@ -10,7 +10,8 @@ from faults import Fault, FaultyLink, ManualClock
 
 from pdjax.analysis.costmodel_fit import PrefillCostFit
 from pdjax.disagg import ColocatedEngine, PDEngine
-from pdjax.disagg.scheduling import Signals, largest_chunk
+from pdjax.disagg.chunking import largest_chunk
+from pdjax.disagg.signals import Signals
 
 ITEMSIZE = 4
 
