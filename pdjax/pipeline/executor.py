@@ -40,8 +40,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 from pdjax.config import ModelConfig
 from pdjax.pipeline import executor_checks as ec
 from pdjax.pipeline import stages as st
+from pdjax.pipeline.compiled import CompiledStage
 from pdjax.schedules.ops import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, OverlapFB
-from pdjax.pipeline.runtime import _StepRun
+from pdjax.pipeline.runtime import StepRun
 
 LOSSES = ec.LOSSES   # the losses the executor runs
 
@@ -87,8 +88,8 @@ def _equivalent(shardings, others) -> bool:
 def _check_acc(i, shardings) -> None:
     """A program that accumulates a stage's gradients must return the accumulator where the
     next one expects it (the params' shardings); ``acc_reshard`` marks a stage that does not."""
-    want = jax.tree.map(lambda a: a.sharding, i["sp"])
-    i["acc_reshard"] = i.get("acc_reshard", False) or not _equivalent(shardings, want)
+    want = jax.tree.map(lambda a: a.sharding, i.sp)
+    i.acc_reshard = i.acc_reshard or not _equivalent(shardings, want)
 
 
 def _placement(a):
@@ -218,7 +219,8 @@ class Executor:
 
     def compile(self, params_or_staged, batch_shape) -> dict:
         """Compile every program the schedule uses for a batch [B,T] (done by the first step;
-        call it first to keep compile time out of a measurement). Returns per-stage info.
+        call it first to keep compile time out of a measurement). Returns one
+        :class:`~pdjax.pipeline.compiled.CompiledStage` per stage.
 
         Three rounds: the forwards (whose residual shardings the backwards are compiled
         for), then the B, I and F&B programs (the first I of a stage fixes its carry's
@@ -245,20 +247,21 @@ class Executor:
                           else self._spec((b, T, self.cfg.hidden_size), prev.y_shape.dtype, rank.batch(3)))
                 tok_spec = self._spec((b, T), jnp.int32, rank.batch(2)) if chunk.last else None
                 prog = st.stage_program(self.cfg, chunk, rank.moe_impl, scale, sp_spec, x_spec, tok_spec)
-                info[s] = dict(prog=prog, rank=rank, chunk=chunk, sp=sp_spec, x=x_spec, tok=tok_spec,
-                               x_arg=x_spec if prog.keeps_input else None,
-                               zeros=jax.jit(_zeros_like, out_shardings=jax.tree.map(lambda a: a.sharding, sp_spec)))
+                info[s] = CompiledStage(prog=prog, rank=rank, chunk=chunk, sp=sp_spec, x=x_spec, tok=tok_spec,
+                                        x_arg=x_spec if prog.keeps_input else None,
+                                        zeros=jax.jit(_zeros_like,
+                                                      out_shardings=jax.tree.map(lambda a: a.sharding, sp_spec)))
                 if self._here(s):
                     jobs[s] = ((prog.key, "F"), prog.F, (sp_spec, x_spec, tok_spec))
                 prev = prog
         here = [s for s in range(len(info)) if self._here(s)]
         for s, f in zip(here, _compile_all([jobs[s] for s in here])):
             i = info[s]
-            prog = i["prog"]
+            prog = i.prog
             y_sh, res_sh = f.output_shardings
-            i["F"] = f
-            i["res"] = [self._spec(a.shape, a.dtype, sh) for a, sh in zip(prog.res_shapes, res_sh)]
-            i["gy"] = self._spec(prog.y_shape.shape, prog.y_shape.dtype, y_sh)
+            i.F = f
+            i.res = [self._spec(a.shape, a.dtype, sh) for a, sh in zip(prog.res_shapes, res_sh)]
+            i.gy = self._spec(prog.y_shape.shape, prog.y_shape.dtype, y_sh)
         self._compile_backwards(info)
         self._compiled[key] = info
         return info
@@ -278,21 +281,21 @@ class Executor:
         jobs = []
         for s, kind in singles:
             i = info[s]
-            prog, args = i["prog"], (i["sp"], i["x_arg"], i["res"], i["gy"])
+            prog, args = i.prog, (i.sp, i.x_arg, i.res, i.gy)
             if kind == FULL_BACKWARD:
-                jobs.append(((prog.key, "B"), prog.B, (i["sp"], *args)))
+                jobs.append(((prog.key, "B"), prog.B, (i.sp, *args)))
             else:
                 jobs.append(((prog.key, "I"), prog.I, args))
         for fs, bs, kind in pairs:
             f, bk = info[fs], info[bs]
-            pair = st.pair_program(f["prog"], bk["prog"], kind)
-            bargs = (bk["sp"], bk["x_arg"], bk["res"], bk["gy"])
+            pair = st.pair_program(f.prog, bk.prog, kind)
+            bargs = (bk.sp, bk.x_arg, bk.res, bk.gy)
             if kind == FULL_BACKWARD:
-                bargs = (bk["sp"],) + bargs
-            jobs.append(((pair.key, "FB"), pair.fn, (f["sp"], f["x"], f["tok"], *bargs)))
+                bargs = (bk.sp,) + bargs
+            jobs.append(((pair.key, "FB"), pair.fn, (f.sp, f.x, f.tok, *bargs)))
         compiled = _compile_all(jobs)
         for (s, kind), c in zip(singles, compiled[:len(singles)]):
-            info[s][kind] = c
+            setattr(info[s], kind, c)
             if kind == BACKWARD_INPUT:
                 self._set_carry(info[s], c.output_shardings[1])
             else:
@@ -301,17 +304,17 @@ class Executor:
         # standalone F's residuals, the stage's first I's carry); ``reshard`` marks those that don't
         for (fs, bs, kind), c in zip(pairs, compiled[len(singles):]):
             f_sh, b_sh = c.output_shardings
-            reshard = not _equivalent(f_sh, info[fs]["F"].output_shardings)
+            reshard = not _equivalent(f_sh, info[fs].F.output_shardings)
             if kind == BACKWARD_INPUT:
                 self._set_carry(info[bs], b_sh[1])
-                reshard = reshard or not _equivalent(b_sh[1], [a.sharding for a in info[bs]["carry"]])
+                reshard = reshard or not _equivalent(b_sh[1], [a.sharding for a in info[bs].carry])
             else:
                 _check_acc(info[bs], b_sh[0])
-            info[fs][("FB", fs, bs, kind)] = (c, reshard)
-        jobs = [((info[s]["prog"].key, "W"), info[s]["prog"].W,
-                 (info[s]["sp"], info[s]["sp"], info[s]["kept"], info[s]["carry"])) for s in sorted(weights)]
+            info[fs].pairs[(bs, kind)] = (c, reshard)
+        jobs = [((info[s].prog.key, "W"), info[s].prog.W,
+                 (info[s].sp, info[s].sp, info[s].kept, info[s].carry)) for s in sorted(weights)]
         for s, c in zip(sorted(weights), _compile_all(jobs)):
-            info[s]["W"] = c
+            info[s].W = c
             _check_acc(info[s], c.output_shardings)
 
     def _here(self, s: int) -> bool:
@@ -320,13 +323,13 @@ class Executor:
 
     def _set_carry(self, i, shardings):
         """The canonical specs of a stage's I-to-W carry and of what an I keeps for its W."""
-        if "carry" in i:
+        if i.carry is not None:
             return
-        prog = i["prog"]
-        _, carry_shapes = jax.eval_shape(prog.I, i["sp"], i["x_arg"], i["res"], i["gy"])
-        i["carry"] = [self._spec(a.shape, a.dtype, sh) for a, sh in zip(carry_shapes, shardings)]
-        values = [i["x"], *i["res"], i["gy"]]
-        i["kept"] = [values[j] for j in prog.w_keep]
+        prog = i.prog
+        _, carry_shapes = jax.eval_shape(prog.I, i.sp, i.x_arg, i.res, i.gy)
+        i.carry = [self._spec(a.shape, a.dtype, sh) for a, sh in zip(carry_shapes, shardings)]
+        values = [i.x, *i.res, i.gy]
+        i.kept = [values[j] for j in prog.w_keep]
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self, params, tokens):
@@ -345,12 +348,12 @@ class Executor:
     def _run(self, staged, tokens):
         return self._step(staged, tokens).go()
 
-    def _step(self, staged, tokens, isolated: bool = False) -> _StepRun:
+    def _step(self, staged, tokens, isolated: bool = False) -> StepRun:
         """A step ready to go (compiled, inputs split into micro-batches)."""
         info = self.compile(staged, tokens.shape)
         m = self.schedule.num_microbatches
         b = tokens.shape[0] // m
-        return _StepRun(self, info, staged, [tokens[i * b:(i + 1) * b] for i in range(m)], isolated)
+        return StepRun(self, info, staged, [tokens[i * b:(i + 1) * b] for i in range(m)], isolated)
 
     # ---- measurement -----------------------------------------------------------------------------
     def measure_ops(self, params, tokens, repeats: int = 3):

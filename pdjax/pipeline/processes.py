@@ -386,7 +386,7 @@ class _Worker:
         from pdjax.disagg.transfer import KVSender, listen, start_transfer_server
         from pdjax.pipeline import stages as st
         from pdjax.pipeline.executor import Executor
-        from pdjax.pipeline.runtime import _Mailbox
+        from pdjax.pipeline.runtime import Mailbox
 
         self.rank, self.run_dir = rank, run_dir
         self.schedule, self.cfg = spec["schedule"], spec["cfg"]
@@ -410,7 +410,7 @@ class _Worker:
                 self.staged.append(jax.tree.map(
                     lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=sharding), chunk_params))
         del params
-        self.mail = _Mailbox()
+        self.mail = Mailbox()
         self.transport = spec["transport"]
         self._files = 0
         self.server = start_transfer_server([self.dev])
@@ -529,14 +529,14 @@ class _Worker:
     def _cmd_step(self, msg):
         import jax
 
-        from pdjax.pipeline.runtime import _StepRun
+        from pdjax.pipeline.runtime import StepRun
 
         tokens = self.ex.check_batch(np.load(msg["tokens"]))
         self.transport = msg["transport"]
         info = self.ex.compile(self.staged, tokens.shape)
         m = self.schedule.num_microbatches
         b = tokens.shape[0] // m
-        run = _StepRun(self.ex, info, self.staged, [tokens[i * b:(i + 1) * b] for i in range(m)],
+        run = StepRun(self.ex, info, self.staged, [tokens[i * b:(i + 1) * b] for i in range(m)],
                        self.lock if msg["isolated"] else False, ranks=(self.rank,), mail=self.mail,
                        remote=self)
         jax.block_until_ready((run.tokens_in, run.tokens_out, run.acc, run.one))

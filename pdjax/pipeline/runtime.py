@@ -25,7 +25,7 @@ def _tree_bytes(tree) -> int:
     return sum(_nbytes(a) for a in jax.tree.leaves(tree))
 
 
-class _Mailbox:
+class Mailbox:
     """Values in flight between rank threads, keyed by (kind, stage, micro-batch)."""
 
     def __init__(self):
@@ -61,7 +61,7 @@ class _Aborted(Exception):
     """Another rank failed; this one stops."""
 
 
-class _StepRun:
+class StepRun:
     """The state of one executed step: per-rank threads, the mailbox, per-micro-batch held
     values and their bytes, the measured op times."""
 
@@ -80,7 +80,7 @@ class _StepRun:
         self.ranks = tuple(range(sched.num_ranks)) if ranks is None else tuple(ranks)
         local = set(self.ranks)
         self.local_stage = [r in local for r in self.layout.stage_rank]
-        self.mail = _Mailbox() if mail is None else mail
+        self.mail = Mailbox() if mail is None else mail
         self.remote = remote
         # token micro-batches, placed where their first and last stages need them
         self.tokens_in: dict = {}
@@ -89,12 +89,12 @@ class _StepRun:
             first, last = pipe.stages[0], pipe.stages[-1]
             for m in pipe.microbatches:
                 if self.local_stage[first]:
-                    self.tokens_in[m] = jax.device_put(token_mbs[m], info[first]["x"].sharding)
+                    self.tokens_in[m] = jax.device_put(token_mbs[m], info[first].x.sharding)
                 if self.local_stage[last]:
-                    self.tokens_out[m] = jax.device_put(token_mbs[m], info[last]["tok"].sharding)
-        self.acc = [i["zeros"](sp) if here else None for i, sp, here in zip(info, staged, self.local_stage)]
-        self.one = {s: jax.device_put(jnp.ones((), i["gy"].dtype), i["gy"].sharding)
-                    for s, i in enumerate(info) if i["chunk"].last and self.local_stage[s]}
+                    self.tokens_out[m] = jax.device_put(token_mbs[m], info[last].tok.sharding)
+        self.acc = [i.zeros(sp) if here else None for i, sp, here in zip(info, staged, self.local_stage)]
+        self.one = {s: jax.device_put(jnp.ones((), i.gy.dtype), i.gy.sharding)
+                    for s, i in enumerate(info) if i.chunk.last and self.local_stage[s]}
         self.losses: dict = {}
         self._local = threading.local()
         self.held: dict = {}        # (stage, mb) -> held values
@@ -135,7 +135,7 @@ class _StepRun:
         measured timeline and memory on the executor."""
         ex = self.ex
         loss = None
-        dev = self.info[self.layout.pipelines[0].stages[-1]]["gy"].sharding
+        dev = self.info[self.layout.pipelines[0].stages[-1]].gy.sharding
         for m in sorted(self.losses):
             val = jax.device_put(self.losses[m], dev)
             loss = val if loss is None else loss + val
@@ -198,27 +198,27 @@ class _StepRun:
         self._local.dispatched = time.perf_counter()
 
     def _input(self, s: int, m: int):
-        if self.info[s]["chunk"].first:
+        if self.info[s].chunk.first:
             return self.tokens_in[m]
         return self._received(("act", s, m))
 
     def _grad_in(self, s: int, m: int):
-        if self.info[s]["chunk"].last:
+        if self.info[s].chunk.last:
             return self.one[s]
         return self._received(("grad", s, m))
 
     def _send_forward(self, s: int, m: int, y):
-        if self.info[s]["chunk"].last:
+        if self.info[s].chunk.last:
             self.losses[m] = y
             return
         nxt = self.layout.next_stage[s]
-        self._post(("act", nxt, m), y, self.info[nxt]["x"].sharding if self.local_stage[nxt] else None)
+        self._post(("act", nxt, m), y, self.info[nxt].x.sharding if self.local_stage[nxt] else None)
 
     def _send_backward(self, s: int, m: int, gx):
-        if self.info[s]["chunk"].first:
+        if self.info[s].chunk.first:
             return
         prv = self.layout.prev_stage[s]
-        self._post(("grad", prv, m), gx, self.info[prv]["gy"].sharding if self.local_stage[prv] else None)
+        self._post(("grad", prv, m), gx, self.info[prv].gy.sharding if self.local_stage[prv] else None)
 
     def _post(self, key, value, sharding):
         """Send ``value`` to the consumer's sharding. When measuring, the send waits until the
@@ -243,7 +243,7 @@ class _StepRun:
 
     def _forward_args(self, s, m):
         i = self.info[s]
-        return (self.staged[s], self._input(s, m), self.tokens_out[m] if i["chunk"].last else None)
+        return (self.staged[s], self._input(s, m), self.tokens_out[m] if i.chunk.last else None)
 
     def _size(self, tree) -> int:
         """Bytes of held arrays, counted only when measuring (the training loop does no
@@ -252,7 +252,7 @@ class _StepRun:
 
     def _after_forward(self, s, m, x, y, res):
         """Hold what the backward needs; returns the bytes allocated."""
-        keep_x = x if self.info[s]["prog"].keeps_input else None
+        keep_x = x if self.info[s].prog.keeps_input else None
         self.held[(s, m)] = (keep_x, res)
         nbytes = self._size(keep_x) + self._size(res)
         self.held_bytes[(s, m)] = nbytes
@@ -268,8 +268,8 @@ class _StepRun:
         """Keep what W reads, drop the rest; returns (allocated, freed) bytes."""
         i = self.info[s]
         values = [x, *res, gy]
-        keep = set(i["prog"].w_keep)
-        kept = [values[j] for j in i["prog"].w_keep]
+        keep = set(i.prog.w_keep)
+        kept = [values[j] for j in i.prog.w_keep]
         alloc = self._size(carry) + (self._size(gy) if len(values) - 1 in keep else 0)
         freed = sum(self._size(v) for j, v in enumerate(values[:-1]) if j not in keep)
         self.held[(s, m)] = (kept, carry)
@@ -280,8 +280,8 @@ class _StepRun:
 
     def _settle_acc(self, s: int) -> None:
         """Keep a stage's gradient accumulator where its next B/W was compiled to find it."""
-        if self.info[s].get("acc_reshard"):
-            self.acc[s] = jax.device_put(self.acc[s], jax.tree.map(lambda a: a.sharding, self.info[s]["sp"]))
+        if self.info[s].acc_reshard:
+            self.acc[s] = jax.device_put(self.acc[s], jax.tree.map(lambda a: a.sharding, self.info[s].sp))
 
     def _run_op(self, op):
         """Dispatch one op; returns (its outputs, bytes allocated, bytes freed)."""
@@ -291,12 +291,12 @@ class _StepRun:
         sp = self.staged[s]
         if op.kind == FORWARD:
             args = self._mark(*self._forward_args(s, m))
-            y, res = i["F"](*args)
+            y, res = i.F(*args)
             self._dispatched()
             return (y, res), self._after_forward(s, m, args[1], y, res), 0
         if op.kind == FULL_BACKWARD:
             x, res, gy = self._mark(*self._backward_args(s, m))
-            self.acc[s], gx = i["B"](self.acc[s], sp, x, res, gy)
+            self.acc[s], gx = i.B(self.acc[s], sp, x, res, gy)
             self._dispatched()
             self._settle_acc(s)
             del self.held[(s, m)]
@@ -304,13 +304,13 @@ class _StepRun:
             return (self.acc[s], gx), 0, self.held_bytes.pop((s, m))
         if op.kind == BACKWARD_INPUT:
             x, res, gy = self._mark(*self._backward_args(s, m))
-            gx, carry = i["I"](sp, x, res, gy)
+            gx, carry = i.I(sp, x, res, gy)
             self._dispatched()
             alloc, freed = self._after_input(s, m, x, res, gy, gx, carry)
             return (gx, carry), alloc, freed
         kept, carry = self.held.pop((s, m))
         self._mark()
-        self.acc[s] = i["W"](self.acc[s], sp, kept, carry)
+        self.acc[s] = i.W(self.acc[s], sp, kept, carry)
         self._dispatched()
         self._settle_acc(s)
         return self.acc[s], 0, self.held_bytes.pop((s, m))
@@ -318,7 +318,7 @@ class _StepRun:
     def _run_pair(self, op):
         f, bk = op.forward, op.backward
         fi, bi = self.info[f.stage], self.info[bk.stage]
-        compiled, reshard = fi[("FB", f.stage, bk.stage, bk.kind)]
+        compiled, reshard = fi.pairs[(bk.stage, bk.kind)]
         fargs = self._forward_args(f.stage, f.microbatch)
         bargs = self._backward_args(bk.stage, bk.microbatch)
         sb = self.staged[bk.stage]
@@ -332,9 +332,9 @@ class _StepRun:
             (y, fres), (gx, carry) = compiled(*fargs, sb, x, res, gy)
         self._dispatched()
         if reshard:
-            fres = [jax.device_put(a, sp.sharding) for a, sp in zip(fres, fi["res"])]
+            fres = [jax.device_put(a, sp.sharding) for a, sp in zip(fres, fi.res)]
             if carry is not None:
-                carry = [jax.device_put(a, sp.sharding) for a, sp in zip(carry, bi["carry"])]
+                carry = [jax.device_put(a, sp.sharding) for a, sp in zip(carry, bi.carry)]
         alloc = self._after_forward(f.stage, f.microbatch, fargs[1], y, fres)
         if bk.kind == FULL_BACKWARD:
             del self.held[(bk.stage, bk.microbatch)]

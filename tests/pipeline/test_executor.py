@@ -78,9 +78,9 @@ def test_input_and_weight_backward_do_not_recompute_the_forward(executor, exec_p
     staged = ex.place(exec_params)
     B, T = exec_tokens.shape
     for s, i in enumerate(info):
-        f, b, inp, w = (_flops(c) for c in (i["F"], info_b[s]["B"], i["I"], i["W"]))
-        ref = _unsplit_stage(ex.cfg, i["chunk"], 1.0 / (B * (T - 1)))
-        whole = _flops(ref.lower(staged[s], i["x"], i["tok"], i["gy"]).compile())
+        f, b, inp, w = (_flops(c) for c in (i.F, info_b[s].B, i.I, i.W))
+        ref = _unsplit_stage(ex.cfg, i.chunk, 1.0 / (B * (T - 1)))
+        whole = _flops(ref.lower(staged[s], i.x, i.tok, i.gy).compile())
         assert abs((inp + w) / b - 1) <= 0.10, (s, inp, w, b)
         assert abs((f + inp + w) / whole - 1) <= 0.10, (s, f, inp, w, whole)
         assert 0.2 * b < inp < b and 0.1 * b < w < b, (s, inp, w, b)
@@ -170,7 +170,7 @@ def test_a_failing_rank_fails_the_step_without_hanging(executor, exec_params, ex
 
     def broken(*args):
         raise FloatingPointError("injected failure on rank 1")
-    monkeypatch.setitem(info[1], "F", broken)
+    monkeypatch.setattr(info[1], "F", broken)
     with pytest.raises(RuntimeError, match="injected failure on rank 1"):
         ex.step(exec_params, exec_tokens)
     monkeypatch.undo()

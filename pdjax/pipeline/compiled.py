@@ -1,0 +1,48 @@
+"""What the executor compiles for one stage, as a typed record: the stage's program and
+placement, the specs (shape, dtype, sharding) of its inputs and of what passes between its
+ops, and the compiled programs of its op kinds and of the overlapped pairs it leads.
+
+:meth:`pdjax.pipeline.Executor.compile` fills one :class:`CompiledStage` per stage (its
+forward first, then the backwards whose inputs the forward's outputs fix, then the weight
+gradients); the step runner (:mod:`pdjax.pipeline.runtime`) reads them."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+
+@dataclasses.dataclass(eq=False)
+class CompiledStage:
+    """One stage of a compiled schedule.
+
+    ``prog``: its :class:`~pdjax.pipeline.stages.StageProgram`; ``rank``: the placement of
+    the rank that runs it; ``chunk``: its layers; ``sp``, ``x``, ``tok``: specs of its params,
+    input (tokens or hidden states) and, on the last stage, the target tokens; ``x_arg``:
+    ``x`` when the backward needs the input again, else None; ``zeros``: a function making the
+    zero gradient accumulator where the params live. Filled by compiling: ``F``, ``B``, ``I``,
+    ``W`` (the compiled programs of each kind this process runs), ``res`` and ``gy`` (specs of
+    the forward's residuals and of the output gradient), ``carry`` and ``kept`` (what an I
+    hands its W, and which of the I's inputs the W reads), ``acc_reshard`` (a program returns
+    the accumulator elsewhere than the params: it is moved back), ``pairs`` ((backward stage,
+    backward kind) -> (compiled F&B pair led by this stage's forward, whether its outputs must
+    be moved to where the standalone programs expect them))."""
+
+    prog: Any
+    rank: Any
+    chunk: Any
+    sp: Any
+    x: Any
+    tok: Any
+    x_arg: Any
+    zeros: Callable
+    F: Optional[Any] = None
+    B: Optional[Any] = None
+    I: Optional[Any] = None   # noqa: E741 (the op kind's name)
+    W: Optional[Any] = None
+    res: Optional[list] = None
+    gy: Any = None
+    carry: Optional[list] = None
+    kept: Optional[list] = None
+    acc_reshard: bool = False
+    pairs: dict = dataclasses.field(default_factory=dict)
