@@ -346,7 +346,14 @@ class Executor:
         return self._run(staged, self.check_batch(tokens))
 
     def _run(self, staged, tokens):
-        return self._step(staged, tokens).go()
+        run = self._step(staged, tokens)
+        out = run.go()
+        if self.measure:           # the step's measurements (None when not measuring)
+            self.stage_memory = {k: v.copy() for k, v in run.stage_memory.items()}
+            self.last_memory, self.last_timeline = run.peak.copy(), run.timeline()
+        else:
+            self.last_memory = self.last_timeline = None
+        return out
 
     def _step(self, staged, tokens, isolated: bool = False) -> StepRun:
         """A step ready to go (compiled, inputs split into micro-batches)."""
@@ -370,8 +377,7 @@ class Executor:
         tokens = self.check_batch(tokens)
         staged = self.place(params)
         measure, self.measure = self.measure, True
-        last = (self.last_timeline, self.last_memory, self.stage_memory)
-        try:
+        try:       # the isolated runs are not steps: the last step's measurements stay
             samples, dispatch = {}, []
             for _ in range(repeats):
                 run = self._step(staged, tokens, isolated=True)
@@ -380,8 +386,7 @@ class Executor:
                     for op, s, e, d in zip(ops, run.starts[r], run.ends[r], run.dispatch[r]):
                         samples.setdefault(OpCosts.key(op), []).append(e - s)
                         dispatch.append(d)
-        finally:   # the isolated runs are not steps: the last step's measurements stay
+        finally:
             self.measure = measure
-            self.last_timeline, self.last_memory, self.stage_memory = last
         return OpCosts(self.schedule.num_stages, {k: float(np.median(v)) for k, v in samples.items()},
                        float(np.median(dispatch)))

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pdjax.schedules.ops import BACKWARD_INPUT, FORWARD, FULL_BACKWARD, OverlapFB
+from pdjax.schedules.simulate import measured_timeline
 
 
 def _nbytes(a) -> int:
@@ -131,19 +132,13 @@ class StepRun:
             raise RuntimeError(f"pipeline step failed: {self.mail.failed}") from self.mail.failed
 
     def finish(self):
-        """``(loss, per-stage grads)`` of a step whose ranks all ran here; records the
-        measured timeline and memory on the executor."""
-        ex = self.ex
+        """``(loss, per-stage grads)`` of a step whose ranks all ran here (its measurements
+        stay on this run: ``timeline()``, ``peak``, ``stage_memory``)."""
         loss = None
         dev = self.info[self.layout.pipelines[0].stages[-1]].gy.sharding
         for m in sorted(self.losses):
             val = jax.device_put(self.losses[m], dev)
             loss = val if loss is None else loss + val
-        if ex.measure:
-            ex.stage_memory = {k: v.copy() for k, v in self.stage_memory.items()}
-            ex.last_memory, ex.last_timeline = self.peak.copy(), self._timeline()
-        else:
-            ex.last_memory = ex.last_timeline = None
         return loss, self.acc
 
     def _rank_main(self, r: int):
@@ -344,9 +339,9 @@ class StepRun:
         return (y, fres, gx, carry), alloc + a2, freed
 
     # ---- the measured timeline --------------------------------------------------------------
-    def _timeline(self):
-        from pdjax.schedules.simulate import measured_timeline
-
+    def timeline(self):
+        """The measured timeline of this run (the type :func:`pdjax.schedules.simulate`
+        returns), times from the first op's start."""
         starts = [s.copy() for s in self.starts]
         ends = [e.copy() for e in self.ends]
         t0 = min((float(s.min()) for s in starts if s.size), default=0.0)
