@@ -28,10 +28,14 @@ LENS = (3, 200, 7)                       # very different lengths: 1, 50 and 2 b
 
 @pytest.fixture(scope="module")
 def handoff(tiny_cfg, tiny_params):
+    return _handoff(tiny_cfg, tiny_params, LENS)
+
+
+def _handoff(tiny_cfg, tiny_params, LENS, seed=1):
     """Per prompt: (prompt, first token, per layer its latent rows [T, C+R]), and
     pdjax.generate's tokens. The rows come from the prefill generate runs itself (same
     shapes: one compiled program for both)."""
-    rng = np.random.RandomState(1)
+    rng = np.random.RandomState(seed)
     prompts = [list(rng.randint(0, tiny_cfg.vocab_size, n)) for n in LENS]
     want = pdjax.generate(tiny_params, tiny_cfg, prompts, max_new_tokens=NEW)
     tokens = np.zeros((len(prompts), max(LENS)), np.int64)
@@ -95,6 +99,23 @@ def test_step_reads_the_length_bucket_and_tokens_match_generate(tiny_cfg, tiny_p
     _run(pool, slots, NEW)
     got = {req.index: req.output[:NEW] for req in slots.values()}
     assert [got[i] for i in range(3)] == [list(map(int, w)) for w in want]
+
+
+def test_a_slot_ending_at_a_block_boundary_sees_the_row_it_writes(tiny_cfg, tiny_params):
+    """Prompts of a whole number of blocks (4 and 8 tokens, 4-token blocks) and one block
+    short (3, 7): each step writes its new row into the next block, which the view must
+    include (min_view_tokens=1, so the view is the blocks of the longest slot plus its new
+    row, nothing more); the tokens are pdjax.generate's."""
+    pairs, want = _handoff(tiny_cfg, tiny_params, (4, 8, 3, 7), seed=2)
+    pool = _pool(tiny_cfg, tiny_params)
+    slots = {}
+    for i, r in enumerate(pairs):
+        s, req = _admit(pool, i, *r)
+        slots[s] = req
+    assert pool.view_blocks() == view_bucket(8 + 1, BLOCK, pool.blocks_per_slot) == 3
+    _run(pool, slots, NEW)
+    got = {req.index: req.output[:NEW] for req in slots.values()}
+    assert [got[i] for i in range(4)] == [list(map(int, w)) for w in want]
 
 
 def test_receive_layer_writes_in_place(tiny_cfg, tiny_params, handoff):

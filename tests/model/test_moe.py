@@ -141,6 +141,8 @@ BUCKET_CASES = {
     "overflow": ([17, 15, 12, 12, 9, 7, 4, 4], True),  # two experts spill 5 and 3 rows into overflow
     "three_over": ([14, 14, 14, 10, 10, 8, 6, 4], False),   # more experts over C than buckets: tiled
     "too_heavy": ([30, 10, 10, 10, 8, 6, 4, 2], False),     # spill beyond C2: tiled
+    "at_the_edge": ([17, 12, 12, 12, 12, 7, 4, 4], True),  # exactly C + C2 rows: the last overflow slot
+    "one_past": ([18, 12, 12, 12, 11, 7, 4, 4], False),    # C + C2 + 1 rows: one row past it, tiled
 }
 
 

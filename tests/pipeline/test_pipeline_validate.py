@@ -26,6 +26,9 @@ def test_valid_hand_written():
     ([[F(0, 0), B(0, 0), F(0, 1)], [F(1, 0), B(1, 0)]], 1, r"rank 0 op #2 0F1: micro-batch 1 is not"),
     ([[F(0, 0), B(0, 0)], [F(5, 0)]], 1, r"rank 1 op #0 5F0: stage 5 does not exist"),
     ([[F(0, 0)], [FB(F(1, 0), B(1, 0))]], 1, r"rank 1 op #0 \(1F0;1B0\)OVERLAP_F_B: backward .* before"),
+    ([[F(0, 0), B(0, 0), B(0, 0)], [F(1, 0), B(1, 0)]], 1, r"rank 0 op #2 0B0: second backward"),
+    ([[F(0, 0), I(0, 0), B(0, 0), W(0, 0)], [F(1, 0), B(1, 0)]], 1, r"rank 0 op #2 0B0: second backward"),
+    ([[F(0, 0), I(0, 0), W(0, 0), W(0, 0)], [F(1, 0), B(1, 0)]], 1, r"rank 0 op #3 0W0: second W"),
 ])
 def test_broken_rules(ops, m, pattern):
     with pytest.raises(pp.ScheduleError, match=pattern):
@@ -37,6 +40,29 @@ def test_cross_rank_deadlock_is_reported_not_hung():
     ops = [[F(0, 0), B(0, 0), F(0, 1), B(0, 1)], [F(1, 0), F(1, 1), B(1, 0), B(1, 1)]]
     with pytest.raises(pp.DeadlockError, match=r"deadlock.*rank 0 is stuck at op #1 0B0.*rank 1 is stuck at op #1 1F1"):
         _chain(ops, 2).validate()
+
+
+@pytest.mark.parametrize("rank,earlier,later", [(0, 0, 3), (1, 1, 2)])
+def test_a_rank_running_its_earlier_stage_backward_first_is_refused(rank, earlier, later):
+    """DualPipeV puts two stages of the V on each rank: rank 0 the first and the last, rank 1
+    the two at the turn (next to each other: their values pass locally, with no send). For
+    one micro-batch the later stage's backward must come before the earlier stage's (the
+    gradient flows back through the V); running the earlier one first waits on a result
+    that is not made yet, on this rank or through the others: refused, naming the op."""
+    s = pp.build("dualpipev", 2, 4)
+    assert s.layout.stage_rank[earlier] == s.layout.stage_rank[later] == rank
+    ops = list(s.ops[rank])
+
+    def backward(stage, m):   # a plain B or I op (not inside an overlapped pair)
+        return next((i for i, op in enumerate(ops) if op.kind in ("B", "I") and op.stage == stage
+                     and op.microbatch == m), None)
+    m = next(m for m in range(4) if backward(later, m) is not None and backward(earlier, m) is not None)
+    i_later, i_earlier = backward(later, m), backward(earlier, m)
+    assert i_later < i_earlier                   # the valid order, before the swap
+    ops[i_later], ops[i_earlier] = ops[i_earlier], ops[i_later]
+    bad = Schedule("t", s.layout, tuple(ops if r == rank else o for r, o in enumerate(s.ops)))
+    with pytest.raises((pp.ScheduleError, pp.DeadlockError), match=rf"rank {rank} .*op #{i_later} {earlier}[BI]{m}"):
+        bad.validate()
 
 
 def test_large_deadlock_is_fast():
