@@ -20,7 +20,7 @@ import importlib
 from pdjax import configs
 from pdjax.config import ModelConfig, RopeScaling
 
-SUBPACKAGES = ("analysis", "api", "disagg", "experiments", "model", "parallel", "pipeline", "schedules", "sim")
+SUBPACKAGES = ("analysis", "api", "cluster", "disagg", "experiments", "model", "parallel", "pipeline", "schedules", "sim")
 
 # public name -> the module that defines it (imported on first use)
 _LAZY = {

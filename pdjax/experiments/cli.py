@@ -3,6 +3,7 @@
     pdjax run <experiment or path.toml> [--set table.key=value ...] [--runs-dir runs] [--quiet]
     pdjax report runs/<name>/<timestamp>
     pdjax list [directory]
+    pdjax launch --num-processes N [--devices-per-process D] [--timeout S] -- <command ...>
 
 ``run`` takes an experiment's name (``pdjax list`` shows them: the configs that ship with
 pdjax, runnable from any directory) or a path to a TOML file. It checks the config against
@@ -22,6 +23,10 @@ import sys
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["launch"]:              # its command follows --: parsed on its own
+        from pdjax.cluster.launch import main as launch
+        return launch(argv[1:])
     parser = argparse.ArgumentParser(prog="pdjax", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -37,6 +42,8 @@ def main(argv=None) -> int:
     p_report.add_argument("run_dir", help="a run directory, runs/<name>/<timestamp>")
     p_list = sub.add_parser("list", help="list the experiments that ship with pdjax (or a directory's configs)")
     p_list.add_argument("directory", nargs="?", default=None)
+    sub.add_parser("launch", add_help=False, help="a local cluster of processes running one command "
+                                                   "(see pdjax launch --help)")
     sub.add_parser("serve", add_help=False,
                    help="one role of the two-process PD server (see pdjax serve --help)")
     args, rest = parser.parse_known_args(argv)
