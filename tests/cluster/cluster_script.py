@@ -1,46 +1,64 @@
 """What the cluster tests launch: ``python cluster_script.py MODE OUT``. Every mode starts
-with pdjax.cluster.initialize() (except ``startup``, which dies before) and prints its pid."""
+with pdjax.cluster.initialize() (except ``startup``, which dies before) and prints its pid.
+:func:`serve` is imported by the test too: the single-process reference makes the same calls."""
 
 import os
 import signal
 import sys
 import time
 
-MODE, OUT = sys.argv[1], sys.argv[2]
-print("pid", os.getpid(), flush=True)
-if MODE == "startup":
-    sys.exit(3)                                   # dies before joining the cluster
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+def serve(pdjax, params, cfg, tokens, mesh, steps=4):
+    """(name, logits) of forward, prefill and ``steps`` greedy decode steps on ``mesh``."""
+    import jax.numpy as jnp
 
-import pdjax  # noqa: E402
+    yield "forward", pdjax.forward(params, cfg, tokens, mesh=mesh)
+    logits, cache = pdjax.prefill(params, cfg, tokens, mesh=mesh, max_len=tokens.shape[1] + steps)
+    yield "prefill", logits
+    nxt = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
+    for i in range(steps):
+        logits, cache = pdjax.decode_step(params, cfg, nxt, cache, mesh=mesh)
+        yield f"decode {i}", logits
+        nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
-pdjax.cluster.initialize()
-me = jax.process_index()
 
-if MODE == "forward":
-    from jax.experimental import multihost_utils
-    cfg = pdjax.configs.tiny()
-    params = pdjax.init_params(cfg, jax.random.key(0))
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (8, 16), dtype=np.int32)
-    out = {}
-    for data, expert in ((2, 4), (1, 8)):
-        mesh = pdjax.parallel.make_mesh({"data": data, "expert": expert})
-        logits = pdjax.forward(params, cfg, tokens, mesh=mesh)
-        out[f"{data}x{expert}"] = np.asarray(multihost_utils.process_allgather(logits, tiled=True))
-    if me == 0:
-        np.savez(OUT, **out)
-elif MODE in ("raise", "sigkill"):
-    mesh = pdjax.parallel.make_mesh({"data": 8})
-    x = jax.device_put(np.ones(8, np.float32), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
-    total = jax.jit(lambda a: a.sum())
-    for step in range(1000):
-        if me == 1 and step == 3:
-            if MODE == "raise":
-                raise ValueError("boom in process 1")
-            os.kill(os.getpid(), signal.SIGKILL)  # mid-collective: the others wait in a sum
-        float(total(x))
-elif MODE == "hang":
-    time.sleep(3600)
-print("done", flush=True)
+def main(mode: str, out: str) -> None:
+    print("pid", os.getpid(), flush=True)
+    if mode == "startup":
+        sys.exit(3)                               # dies before joining the cluster
+    import jax
+    import numpy as np
+
+    import pdjax
+
+    pdjax.cluster.initialize()
+    me = jax.process_index()
+    if mode == "forward":
+        from jax.experimental import multihost_utils
+        cfg = pdjax.configs.tiny()
+        params = pdjax.init_params(cfg, jax.random.key(0))
+        tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (8, 16), dtype=np.int32)
+        got = {}
+        for data, expert in ((2, 4), (1, 8)):
+            mesh = pdjax.parallel.make_mesh({"data": data, "expert": expert})
+            for name, logits in serve(pdjax, params, cfg, tokens, mesh):
+                got[f"{data}x{expert} {name}"] = np.asarray(multihost_utils.process_allgather(logits, tiled=True))
+        if me == 0:
+            np.savez(out, **got)
+    elif mode in ("raise", "sigkill"):
+        mesh = pdjax.parallel.make_mesh({"data": 8})
+        x = jax.device_put(np.ones(8, np.float32), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+        total = jax.jit(lambda a: a.sum())
+        for step in range(1000):
+            if me == 1 and step == 3:
+                if mode == "raise":
+                    raise ValueError("boom in process 1")
+                os.kill(os.getpid(), signal.SIGKILL)   # mid-collective: the other waits in a sum
+            float(total(x))
+    elif mode == "hang":
+        time.sleep(3600)
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
