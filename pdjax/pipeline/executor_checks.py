@@ -34,7 +34,9 @@ def check_setup(schedule, cfg: ModelConfig, devices, loss: str) -> tuple[list, i
     devices = list(jax.devices() if devices is None else devices)
     n = schedule.num_ranks
     if n > len(devices):
-        raise ValueError(f"the schedule has {n} ranks but only {len(devices)} devices were given")
+        raise ValueError(f"the schedule has {n} ranks but only {len(devices)} devices were given (on a CPU, "
+                         f"simulate {n} or more with XLA_FLAGS=--xla_force_host_platform_device_count={n}, "
+                         "set before jax starts)")
     if len(devices) % n:
         raise ValueError(f"{len(devices)} devices do not split evenly into {n} ranks")
     k = len(devices) // n

@@ -6,14 +6,15 @@ from .gantt import draw, save
 from .simulate import simulate
 
 
-def plot(timeline_or_schedule, path=None, **simulate_kwargs):
+def plot(timeline_or_schedule, path=None, *, ax=None, **simulate_kwargs):
     """Gantt chart of a :class:`~pdjax.schedules.simulate.Timeline` (or of a Schedule,
-    simulated with ``simulate_kwargs``). Saves to ``path`` (format from its suffix: .png,
-    .svg, .pdf) and returns the matplotlib Figure."""
+    simulated with ``simulate_kwargs``), drawn on ``ax`` (a matplotlib Axes; default a new
+    figure). Saves to ``path`` (format from its suffix: .png, .svg, .pdf) and returns the
+    Figure."""
     t = timeline_or_schedule
     if not hasattr(t, "makespan"):
         t = simulate(t, **simulate_kwargs)
-    fig = draw(t)
+    fig = draw(t, ax=ax)
     if path is not None:
         save(fig, path)
     return fig

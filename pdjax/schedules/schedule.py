@@ -7,6 +7,7 @@ executor, and CSV import/export (torch.distributed.pipelining's format).
 from __future__ import annotations
 
 import html
+import os
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -14,20 +15,27 @@ from .layout import Layout
 from .ops import AnyOp, Op, OverlapFB
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Schedule:
     """A pipeline schedule.
 
-    ``ops[r]`` is rank ``r``'s program, run in order. ``name`` is the generator's name
-    (or ``"csv"``), ``options`` the generator's extra arguments (e.g. stages per rank).
+    ``ops[r]`` is rank ``r``'s program, run in order (stored as tuples, whatever sequences
+    were given). ``name`` is the generator's name (or ``"csv"``), ``options`` the
+    generator's extra arguments (e.g. stages per rank). Two schedules are equal when their
+    layouts and ops are: the name and options describe where a schedule came from, not
+    what it is (so a CSV round trip gives an equal schedule).
     """
 
-    name: str
+    name: str = field(compare=False)
     layout: Layout
     ops: tuple[tuple[AnyOp, ...], ...]
-    options: tuple[tuple[str, object], ...] = field(default=())
+    options: tuple[tuple[str, object], ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.ops, (list, tuple)) or not all(isinstance(r, (list, tuple)) for r in self.ops):
+            raise TypeError("Schedule.ops must be a list or tuple of one list or tuple of ops per rank")
+        object.__setattr__(self, "ops", tuple(tuple(r) for r in self.ops))
+        object.__setattr__(self, "options", tuple(tuple(o) for o in self.options))
         if len(self.ops) != self.layout.num_ranks:
             raise ValueError(
                 f"Schedule.ops has {len(self.ops)} rank programs but the layout has "
@@ -73,18 +81,29 @@ class Schedule:
         validate(self)
         return self
 
-    def to_csv(self) -> str:
-        """torch.distributed.pipelining compute-only CSV: one row per rank."""
+    def to_csv(self, path=None) -> str:
+        """torch.distributed.pipelining compute-only CSV: one row per rank. Returns the
+        text; with ``path``, also writes it there."""
         from .csvio import schedule_to_csv
 
-        return schedule_to_csv(self)
+        text = schedule_to_csv(self)
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text)
+        return text
 
     @classmethod
-    def from_csv(cls, text: str, *, layout: Layout | None = None, validate: bool = True) -> "Schedule":
-        """Parse torch's compute-only CSV. Without ``layout`` the stages form one chain
-        0..S-1 and each stage's rank is where its ops appear (torch's convention); pass
+    def from_csv(cls, text, *, layout: Layout | None = None, validate: bool = True) -> "Schedule":
+        """Parse torch's compute-only CSV: its text, or a path (a ``pathlib.Path``, or a
+        string naming an existing file). Without ``layout`` the stages form one chain 0..S-1
+        and each stage's rank is where its ops appear (torch's convention); pass
         ``Layout.bidirectional(...)`` for DualPipe."""
         from .csvio import parse_csv
+
+        if isinstance(text, os.PathLike) or (isinstance(text, str) and "\n" not in text and "," not in text
+                                             and os.path.isfile(text)):
+            with open(text) as f:
+                text = f.read()
 
         layout, ops = parse_csv(text, layout=layout)
         schedule = cls("csv", layout, ops)
@@ -109,6 +128,9 @@ class Schedule:
         from .render import schedule_text
 
         return schedule_text(self)
+
+    def __repr__(self) -> str:
+        return str(self)
 
     def __str__(self) -> str:
         return (f"Schedule({self.name!r}, ranks={self.num_ranks}, stages={self.num_stages}, "

@@ -184,3 +184,8 @@ def test_micro_batch_ids_must_cover_the_batch(exec_cfg):
     ops = tuple(tuple(type(op)(op.kind, op.stage, op.microbatch + 2) for op in r) for r in s.ops)
     with pytest.raises(ValueError, match="micro-batch ids 0..1"):
         pp.Executor(pp.Schedule("shifted", shifted, ops), exec_cfg, devices=jax.devices()[:2])
+
+
+def test_too_few_devices_says_how_to_simulate_more(tiny_cfg):
+    with pytest.raises(ValueError, match=r"only 1 devices were given .*xla_force_host_platform_device_count=16"):
+        pp.Executor(pp.build("1f1b", 16, 16), tiny_cfg, devices=jax.devices()[:1])

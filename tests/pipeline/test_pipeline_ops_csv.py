@@ -88,3 +88,18 @@ def test_derived_comms_match_between_ranks():
     assert not [a for a in last if isinstance(a, CommAction) and a.peer == 2]
     vol = comm_volume(v)
     assert vol[2]["SEND_F"] == 6 and vol[2]["RECV_F"] == 6  # one in (stage 2), one out (stage 3) per mb
+
+
+def test_a_schedule_from_lists_equals_its_csv_round_trip_through_a_file(tmp_path):
+    """Ops given as lists are stored as tuples; name and options say where a schedule came
+    from, not what it is, so the round trip (text or a file path) gives an equal schedule."""
+    from pdjax.schedules import Layout, Schedule
+    from pdjax.schedules.ops import B, F
+
+    s = Schedule("mine", Layout.chain([0, 1], 1), [[F(0, 0), B(0, 0)], [F(1, 0), B(1, 0)]])
+    assert isinstance(s.ops, tuple) and all(isinstance(r, tuple) for r in s.ops)
+    assert Schedule.from_csv(s.to_csv(), layout=s.layout) == s
+    path = tmp_path / "mine.csv"
+    assert s.to_csv(path) == path.read_text()
+    assert Schedule.from_csv(path, layout=s.layout) == s == Schedule.from_csv(str(path), layout=s.layout)
+    assert len(repr(s)) < 100 and len(repr(pp.simulate(pp.build("dualpipe", 8, 20)))) < 1000

@@ -79,3 +79,12 @@ def test_bubble_sweep_config_runs(tmp_path):
 def test_bubble_sweep_bad_config(tmp_path, bad, pattern):
     with pytest.raises(ValueError, match=pattern):
         run_bubble_sweep(bad, tmp_path)
+
+
+def test_plot_draws_on_the_axes_it_is_given():
+    from matplotlib.figure import Figure
+
+    fig = Figure()
+    ax1, ax2 = fig.subplots(1, 2)
+    assert pp.plot(pp.build("1f1b", 2, 4), ax=ax2) is fig
+    assert len(ax2.patches) + len(ax2.collections) > 0 and not ax1.collections
