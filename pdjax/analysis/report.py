@@ -200,6 +200,8 @@ def _memory_section(cfg: ModelConfig, counts, hbm: float, p_w: float, ep_size: i
 def _handoff_section(hw, counts, link: str, handoff_context_len: int, compute_dtype: str,
                      mla_kv: float, mha_kv: float) -> dict:
     """The [handoff] section: P->D KV transfer time over ``link`` against the prefill."""
+    if link not in ("scale_up", "scale_out"):              # a typo is an error, not a missing figure
+        raise ValueError(f"link must be 'scale_up' or 'scale_out', got {link!r}")
     bw = _optional(hw.link_bw, link)
     peak = hw.peak_flops(compute_dtype)
     handoff = {"link": link, "link_bw_B_per_s": bw, "context_len": handoff_context_len}

@@ -219,12 +219,15 @@ class PDEngine:
             raise ValueError("arrival_times must be one non-negative, non-decreasing time per prompt")
         reqs = []
         for i, p in enumerate(prompts):
-            r = Request(i, list(p) if not isinstance(p, np.ndarray) else p.tolist(), mnt[i],
+            r = Request(i, p.tolist() if isinstance(p, np.ndarray) else list(p) if isinstance(p, (list, tuple)) else p,
+                        mnt[i],
                         samplings[i], tuple(stop_tokens), retention, arrival=arrivals[i])
             try:
                 validate_request(r, self.cfg.vocab_size, self.max_context)
             except RequestError as e:
                 r.error = e
+                if not isinstance(r.prompt, list):
+                    r.prompt = []                 # not a sequence: nothing to count in its metrics
             reqs.append(r)
         return reqs
 

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pdjax.model.checks import prompt_problem
+
 
 class RequestError(ValueError):
     """A request that cannot be served (bad prompt, bad parameters). It fails alone: the
@@ -84,17 +86,13 @@ class Request:
 
 def validate_request(req: Request, vocab_size: int, max_context: int) -> None:
     """Raise RequestError naming the problem (caught per request by the engines)."""
-    if not isinstance(req.max_new_tokens, (int, np.integer)) or req.max_new_tokens <= 0:
-        raise RequestError(f"request {req.index}: max_new_tokens must be a positive integer, "
-                           f"got {req.max_new_tokens!r}")
-    if len(req.prompt) == 0:
-        raise RequestError(f"request {req.index}: empty prompt")
-    arr = np.asarray(req.prompt)
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise RequestError(f"request {req.index}: prompt must hold integer token ids")
-    bad = arr[(arr < 0) | (arr >= vocab_size)]
-    if bad.size:
-        raise RequestError(f"request {req.index}: token id {int(bad[0])} outside [0, vocab_size={vocab_size})")
+    mnt = req.max_new_tokens
+    if isinstance(mnt, (bool, np.bool_)) or not isinstance(mnt, (int, np.integer)) or mnt <= 0:
+        raise RequestError(f"request {req.index}: max_new_tokens must be a positive integer, got {mnt!r}")
+    problem = prompt_problem(req.prompt, vocab_size)
+    if problem is not None:
+        why = problem[1]
+        raise RequestError(f"request {req.index}: " + ("empty prompt" if why == "is empty" else f"prompt {why}"))
     need = len(req.prompt) + req.max_new_tokens
     if need > max_context:
         raise RequestError(f"request {req.index}: prompt ({len(req.prompt)}) + max_new_tokens "

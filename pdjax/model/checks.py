@@ -46,6 +46,39 @@ def check_tokens(cfg: ModelConfig, tokens, ndim: int, name: str = "tokens"):
     return jnp.asarray(arr, jnp.int32)
 
 
+def prompt_problem(prompt, vocab_size: int):
+    """``(TypeError or ValueError, why)`` when ``prompt`` is not a flat, non-empty sequence of
+    integer token ids in ``[0, vocab_size)`` (``why`` a phrase: "is empty", "holds token id
+    300, outside [0, vocab_size=256)", ...), else None. Nothing is coerced: floats, strings,
+    bools and nested lists are refused."""
+    if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__len__"):
+        return TypeError, f"must be a list of integer token ids, got {type(prompt).__name__}"
+    if len(prompt) == 0:
+        return ValueError, "is empty"
+    try:
+        arr = np.asarray(prompt)
+    except ValueError:
+        return TypeError, "must be a flat list of integer token ids, got a ragged nested sequence"
+    if arr.ndim != 1:
+        return TypeError, f"must be a flat list of integer token ids, got {arr.ndim} dims (shape {arr.shape})"
+    if arr.dtype == bool or (not isinstance(prompt, np.ndarray)
+                             and any(isinstance(t, (bool, np.bool_)) for t in prompt)):
+        return TypeError, "holds a bool, not a token id"
+    if not np.issubdtype(arr.dtype, np.integer):
+        return TypeError, f"must hold integer token ids, got {arr.dtype} values (nothing is rounded or parsed)"
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= vocab_size:
+        return ValueError, f"holds token id {lo if lo < 0 else hi}, outside [0, vocab_size={vocab_size})"
+    return None
+
+
+def check_count(name: str, value) -> int:
+    """A positive integer count (not a bool, not a float): ``value`` as an int."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
 def check_layers(params, cfg: ModelConfig, cache=None, moe_impl=None) -> None:
     """Host-side: the params' layer form (per-layer or stacked per run, see
     :mod:`pdjax.model.layer_scan`) agrees with ``cfg``, the cache's form and ``moe_impl``."""

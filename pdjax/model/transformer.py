@@ -42,7 +42,8 @@ from pdjax.config import ModelConfig
 from pdjax.model import dots, layer_scan, mla
 from pdjax.model import moe as moe_lib
 from pdjax.model.cache import KVCache, host_lengths, remember_lengths, to_cache_dtype, write_rows
-from pdjax.model.checks import check_layers, check_lengths, check_tokens, is_tracer, on_device
+from pdjax.model.checks import (check_count, check_layers, check_lengths, check_tokens, is_tracer, on_device,
+                                prompt_problem)
 # init_params and param_dtype live in pdjax.model.params; importable here, where callers look
 from pdjax.model.params import init_params, param_dtype  # noqa: F401
 
@@ -345,14 +346,15 @@ def _pad_prompts(cfg: ModelConfig, prompts):
         return tokens, np.full((tokens.shape[0],), tokens.shape[1], np.int32), False
     if not prompts:
         raise ValueError("prompts is empty")
+    for i, p in enumerate(prompts):
+        problem = prompt_problem(p, cfg.vocab_size)
+        if problem is not None:
+            kind, why = problem
+            raise kind(f"prompt {i} {why}")
     lens = [len(p) for p in prompts]
-    for i, n in enumerate(lens):
-        if n == 0:
-            raise ValueError(f"prompt {i} is empty")
     padded = np.zeros((len(prompts), max(lens)), np.int64)
     for i, p in enumerate(prompts):
-        padded[i, : len(p)] = np.asarray(p, np.int64)
-        check_tokens(cfg, padded[i: i + 1, : len(p)], 2, f"prompt {i}")
+        padded[i, : len(p)] = np.asarray(p)
     return padded, np.asarray(lens, np.int32), True
 
 
@@ -363,8 +365,7 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int, max_len:
     ``prompts``: an int array [B,T] (returns an array [B, T+max_new_tokens]) or a list of
     token lists of any lengths (returns a list of lists, each prompt + new tokens).
     """
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    check_count("max_new_tokens", max_new_tokens)
     check_layers(params, cfg, None, moe_impl)
     tokens, lengths, ragged = _pad_prompts(cfg, prompts)
     need = int(lengths.max()) + max_new_tokens

@@ -69,4 +69,8 @@ def _infer_chain_layout(ops) -> Layout:
     missing = [s for s in range(num_stages) if s not in owner]
     if missing:
         raise ValueError(f"stages {missing[:8]} appear in no row (stages must be 0..{num_stages - 1})")
+    parts = sum(len(op.parts) for rank_ops in ops for op in rank_ops)
+    if 2 * (max_mb + 1) * num_stages > parts:   # before anything is sized by the largest id
+        raise ValueError(f"micro-batch id {max_mb}, but {parts} ops cannot hold a forward and a backward of "
+                         f"micro-batches 0..{max_mb} on each of {num_stages} stages (ids must be 0..m-1)")
     return Layout.chain([owner[s][0] for s in range(num_stages)], max_mb + 1, num_ranks=len(ops))

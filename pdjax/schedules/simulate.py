@@ -105,7 +105,10 @@ class Timeline:
 def _per_stage(name: str, value, num_stages: int, unit: str = "stage") -> np.ndarray:
     """``value`` (a scalar or one entry per ``unit``) as a float array [num_stages], finite
     and >= 0, or a ValueError naming ``name`` and the offending entry."""
-    arr = np.asarray(value, dtype=float)
+    arr = np.asarray(value)
+    if isinstance(value, (str, bytes)) or arr.dtype.kind not in "iuf":   # no parsing, no bools
+        raise TypeError(f"{name} must be a number or one number per {unit}, got {value!r}")
+    arr = arr.astype(float)
     if arr.ndim == 0:
         arr = np.full(num_stages, float(arr))
     elif arr.shape != (num_stages,):

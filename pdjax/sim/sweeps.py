@@ -13,6 +13,7 @@ import dataclasses
 import math
 from typing import Callable, Iterable, Optional
 
+from pdjax.arguments import check_positive
 from pdjax.sim.deployment import AFDisaggregated, PDDisaggregated
 from pdjax.sim.simulator import simulate
 from pdjax.sim.metrics import SLO
@@ -27,7 +28,7 @@ def workload_at_rate(spec: WorkloadSpec, rate: float, duration: Optional[float] 
     than a request's lifetime)."""
     changes = {"rate": check_rate(rate)}
     if duration is not None:
-        check_rate(duration)
+        check_positive("duration", duration)
         changes["num_requests"] = max(1, math.ceil(rate * duration))
     return generate(dataclasses.replace(spec, **changes))
 

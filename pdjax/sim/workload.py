@@ -21,6 +21,8 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
+from pdjax.arguments import check_int, check_nonnegative
+
 
 class Request:
     """One request and its lifecycle record (times in seconds since the start)."""
@@ -186,10 +188,8 @@ class WorkloadSpec:
         if isinstance(self.num_requests, bool) or not isinstance(self.num_requests, int) or self.num_requests < 1:
             raise ValueError(f"num_requests must be an integer >= 1, got {self.num_requests!r}")
         check_rate(self.rate)
-        if self.system_prompts < 0:
-            raise ValueError(f"system_prompts must be >= 0, got {self.system_prompts}")
-        if self.think_time < 0:
-            raise ValueError(f"think_time must be >= 0, got {self.think_time}")
+        check_int("WorkloadSpec.system_prompts", self.system_prompts, 0)
+        check_nonnegative("WorkloadSpec.think_time", self.think_time)      # NaN and inf refused
         if self.retention is not None:
             if not self.retention or min(self.retention.values()) < 0 or sum(self.retention.values()) <= 0:
                 raise ValueError(f"retention mix must map classes to weights >= 0, got {self.retention}")

@@ -64,6 +64,13 @@ def test_bad_requests_fail_alone(pd, tiny_cfg, prompts, expected):
     assert isinstance(out[4], RequestError) and "exceeds the context" in str(out[4])
     bad = pd.generate([prompts[1], prompts[1]], max_new_tokens=[0, 5])
     assert isinstance(bad[0], RequestError) and bad[1] == expected[1]
+    # nothing coerced: nested, float, string, bool and non-list prompts, a bool count
+    batch = [[[1, 2], [3, 4]], prompts[1], [2.9, 7], ["5", 7], [True, 3], 5, prompts[3], [[1, 2], [3]]]
+    out = pd.generate(batch, max_new_tokens=[5, 5, 5, 5, 5, 5, True, 5])
+    assert out[1] == expected[1]
+    for i, says in ((0, "flat list"), (2, "float64"), (3, "<U"), (4, "bool"), (5, "got int"),
+                    (6, "max_new_tokens must be a positive integer, got True"), (7, "ragged")):
+        assert isinstance(out[i], RequestError) and says in str(out[i]), (i, out[i])
 
 
 def test_failed_handoff_is_reprefilled(pd, prompts, expected):

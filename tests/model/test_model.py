@@ -1,6 +1,8 @@
 """The single-device model: cache paths against the no-cache forward, MLA absorbed vs
 naive, chunked prefill, ragged generation, bad inputs."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -183,3 +185,17 @@ def test_init_into_shardings_equals_unsharded_init(tiny_cfg):
         assert g.sharding == w.sharding and g.dtype == w.dtype
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     assert sum(not g.sharding.is_fully_replicated for g in jax.tree.leaves(got)) == 3   # the experts
+
+
+@pytest.mark.parametrize("prompts,max_new,err,says", [
+    ([[2.9, 7]], 2, TypeError, "prompt 0 must hold integer token ids, got float64"),
+    ([["5", 7]], 2, TypeError, "prompt 0 must hold integer token ids"),
+    ([[1, 2], [[3, 4]]], 2, TypeError, "prompt 1 must be a flat list"),
+    ([[True, 3]], 2, TypeError, "prompt 0 holds a bool"),
+    ([[1, 2]], True, ValueError, "max_new_tokens must be a positive integer, got True"),
+    ([[1, 2]], 2.0, ValueError, "max_new_tokens must be a positive integer, got 2.0"),
+])
+def test_generate_coerces_nothing(tiny_cfg, tiny_params, prompts, max_new, err, says):
+    """Prompts and counts are checked, never rounded, parsed or cast (before any compute)."""
+    with pytest.raises(err, match=re.escape(says)):
+        pdjax.generate(tiny_params, tiny_cfg, prompts, max_new_tokens=max_new)

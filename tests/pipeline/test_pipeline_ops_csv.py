@@ -103,3 +103,9 @@ def test_a_schedule_from_lists_equals_its_csv_round_trip_through_a_file(tmp_path
     assert s.to_csv(path) == path.read_text()
     assert Schedule.from_csv(path, layout=s.layout) == s == Schedule.from_csv(str(path), layout=s.layout)
     assert len(repr(s)) < 100 and len(repr(pp.simulate(pp.build("dualpipe", 8, 20)))) < 1000
+
+
+def test_a_huge_microbatch_id_is_refused_before_anything_is_sized_by_it():
+    """'0F999999999' once made the validator allocate in proportion to the id (killed at 23 GB)."""
+    with pytest.raises(ValueError, match=r"micro-batch id 999999999, but 4 ops cannot hold"):
+        pp.Schedule.from_csv("0F0,0B0,0F999999999,0B999999999\n")

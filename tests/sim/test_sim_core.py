@@ -239,3 +239,22 @@ def test_result_displays_its_summary(cost):
     scalar = {k for k, v in res.summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     assert scalar and scalar <= set(rows) and rows["events"] == f"{res.events:,}"
     assert all(k in res._repr_html_() for k in scalar) and str(res).count("\n") == len(res.table()) - 1
+
+
+def test_bad_values_are_refused_not_coerced():
+    """NaN think time, a fractional system-prompt count and a negative duration each name
+    their argument (they behaved as 0, were accepted, or blamed the rate)."""
+    import math
+
+    import pdjax.schedules as ps
+    from pdjax import analysis
+    with pytest.raises(ValueError, match="think_time must be finite"):
+        sim.WorkloadSpec(num_requests=4, rate=1.0, think_time=math.nan)
+    with pytest.raises(TypeError, match="system_prompts must be an integer"):
+        sim.WorkloadSpec(num_requests=4, rate=1.0, system_prompts=1.5)
+    with pytest.raises(ValueError, match="duration must be > 0, got -1"):
+        sim.workload_at_rate(sim.WorkloadSpec(num_requests=4, rate=1.0), 5, duration=-1)
+    with pytest.raises(TypeError, match="F must be a number"):
+        ps.simulate(ps.build("1f1b", 2, 4), F="2")
+    with pytest.raises(ValueError, match="link must be 'scale_up' or 'scale_out', got 'nvlink'"):
+        analysis.report(pdjax.configs.deepseek_v3(), "h800", link="nvlink")
