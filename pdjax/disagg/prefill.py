@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import threading
 import time
 
 import jax
@@ -102,11 +103,29 @@ class PrefillPool:
         self.ep = ExpertParallel(self.mesh) if "expert" in self.mesh.axis_names else None
         self.params = shard_params(params, cfg, self.mesh)
         self.replicated = NamedSharding(self.mesh, P())
+        self._warm: set = set()          # the (program, shapes) this pool has run: compiled
+        # per thread (an abandoned run may still be finishing while a new one starts): the
+        # running prefill's on_compile(True / False), called around a cold call
+        self._run_state = threading.local()
+
+    def _program(self, key, fn, *args):
+        """``fn(*args)``; when ``key`` (a program and its shapes) has not run on this pool yet,
+        the call compiles first: the run's ``on_compile`` hears of it before and after."""
+        on_compile = getattr(self._run_state, "on_compile", None)
+        if key in self._warm or on_compile is None:
+            return fn(*args)
+        on_compile(True)
+        try:
+            return fn(*args)
+        finally:
+            self._warm.add(key)
+            on_compile(False)
 
     def _put(self, a):
         return jax.device_put(a, self.replicated)
 
-    def run(self, req, push, prefix=None, timeline=None, chunk=None, step_lock=None, chunk_times=None):
+    def run(self, req, push, prefix=None, timeline=None, chunk=None, step_lock=None, chunk_times=None,
+            on_compile=None):
         """Prefill ``req``; call ``push(layer, rows, start)`` with each layer's latent rows
         [q, C+R] for prompt positions start..start+q-1 right after that layer is dispatched
         (the first chunk's rows include a cached prefix's: the decode side needs them all).
@@ -123,7 +142,16 @@ class PrefillPool:
         stalled send never blocks the decode steps (nor the deadline that cancels it).
         ``timeline``: a :class:`pdjax.disagg.timeline.Timeline` to record each layer's compute.
         ``chunk_times``: a list to append each chunk's wall seconds to (the chunk is waited
-        for, so only for calibration)."""
+        for, so only for calibration). ``on_compile(active)``: called before (True) and after
+        (False) a call that compiles a program this pool has not run yet (the decode side
+        keeps compile time out of its handoff deadline)."""
+        self._run_state.on_compile = on_compile
+        try:
+            return self._run(req, push, prefix, timeline, chunk, step_lock, chunk_times)
+        finally:
+            self._run_state.on_compile = None
+
+    def _run(self, req, push, prefix, timeline, chunk, step_lock, chunk_times):
         T = len(req.prompt)
         P, loaded = prefix if prefix else (0, None)
         plan = chunk_plan(T, P, chunk)
@@ -162,17 +190,19 @@ class PrefillPool:
         Returns the chunk's hidden states."""
         tokens, q_pos, valid = self._inputs(prompt, pos, q)
         start = self._put(np.array([pos], np.int32))
-        x = _embed(self.params, self.cfg, tokens)
+        Tb = tokens.shape[1]
+        x = self._program(("embed", Tb), _embed, self.params, self.cfg, tokens)
         for l, lp in enumerate(self.params["layers"]):
             if kvs[l] is None:
                 if loaded is not None:
                     layer_idx, prefix_rows = next(loaded)
                     assert layer_idx == l, (layer_idx, l)
-                    kvs[l] = _cache_buffer(prefix_rows, size)
+                    kvs[l] = self._program(("prefix", prefix_rows.shape, size), _cache_buffer, prefix_rows, size)
                 else:
                     kvs[l] = jnp.zeros((1, size, self.cfg.kv_latent_dim), self.params["embed"].dtype,
                                        device=self.replicated)
-            x, kvs[l] = _layer_cached(lp, self.cfg, x, q_pos, kvs[l], start, valid, self.ep, self.replicated)
+            x, kvs[l] = self._program(("layer", l, Tb, size), _layer_cached, lp, self.cfg, x, q_pos, kvs[l], start,
+                                      valid, self.ep, self.replicated)
             if timeline is not None:
                 timeline.record("prefill compute", f"layer {l}", x)
             lo = 0 if pos == P else pos           # the first chunk also sends the cached prefix
@@ -191,10 +221,12 @@ class PrefillPool:
     def _fresh(self, prompt, push, timeline):
         T = len(prompt)
         tokens, q_pos, valid = self._inputs(prompt, 0, T)
-        x = _embed(self.params, self.cfg, tokens)
+        Tb = tokens.shape[1]
+        x = self._program(("embed", Tb), _embed, self.params, self.cfg, tokens)
         rows = []
         for l, lp in enumerate(self.params["layers"]):
-            x, kv = _layer(lp, self.cfg, x, q_pos, valid, self.ep, self.replicated)
+            x, kv = self._program(("fresh layer", l, Tb), _layer, lp, self.cfg, x, q_pos, valid, self.ep,
+                                  self.replicated)
             rows.append(kv[0, :T])
             if timeline is not None:
                 timeline.record("prefill compute", f"layer {l}", x)
@@ -203,6 +235,6 @@ class PrefillPool:
 
     def _first_token(self, req, x, last):
         s = req.sampling
-        tok = _first_token(self.params, self.cfg, x, last, jnp.float32([s.temperature]),
-                           jnp.float32([s.top_p]), jnp.int32([s.seed]))
+        tok = self._program(("first token", x.shape), _first_token, self.params, self.cfg, x, last,
+                            jnp.float32([s.temperature]), jnp.float32([s.top_p]), jnp.int32([s.seed]))
         return int(np.asarray(tok)[0])

@@ -58,6 +58,16 @@ class Started:
 
 
 @dataclasses.dataclass(frozen=True)
+class Compiling:
+    """The prefill is compiling a program it has not run yet (``active``), or has finished
+    (not ``active``): compile time does not count against the handoff deadline."""
+    request: int
+    attempt: int
+    active: bool
+    t: float
+
+
+@dataclasses.dataclass(frozen=True)
 class LayerArrived:
     """One layer's latent rows for prompt positions ``start..start+len(rows)-1``, already on
     the owning rank's device (``nbytes``: what crossed the link)."""
@@ -152,14 +162,15 @@ class Attempt:
     timeout_s: Optional[float]
     options: Any = None
     last: Optional[float] = None          # last progress (start, a layer); None: queued at prefill
+    compiling: bool = False               # the prefill is compiling: no deadline meanwhile
     layers: int = 0
     bytes: int = 0
     received: list = dataclasses.field(default_factory=list)   # (layer, start, checksum of what arrived)
 
     def deadline(self) -> float:
-        """No deadline while queued behind other attempts (or without a timeout); then
-        ``timeout_s`` after the start and after each layer."""
-        if self.timeout_s is None or self.last is None:
+        """No deadline while queued behind other attempts or compiling (or without a
+        timeout); then ``timeout_s`` after the start, each layer and each compile's end."""
+        if self.timeout_s is None or self.last is None or self.compiling:
             return math.inf
         return self.last + self.timeout_s
 
@@ -258,6 +269,8 @@ class DecodeScheduler:
         kind = type(event)
         if kind is Started:
             a.last = event.t
+        elif kind is Compiling:
+            a.compiling, a.last = event.active, event.t
         elif kind is LayerArrived:
             try:
                 self.pool.receive_layer(a.res, event.layer, event.rows, event.start)

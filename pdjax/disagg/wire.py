@@ -1,6 +1,6 @@
 """What crosses a process boundary between the decode and the prefill side, as JSON objects
 (framed by :class:`pdjax.disagg.transfer.Control`): a :class:`PrefillJob` (decode ->
-prefill), the prefill side's scheduler events (prefill -> decode: ``started``, ``layer``
+prefill), the prefill side's scheduler events (prefill -> decode: ``started``, ``compiling``, ``layer``
 with the link's payload, ``ready``, ``failed``; :func:`event_to_wire` /
 :func:`event_from_wire`, the receiver stamps them with its own clock), and ``cancel``.
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 
 from pdjax.disagg.request import SamplingParams
-from pdjax.disagg.scheduler import Failed, LayerArrived, Ready, Started
+from pdjax.disagg.scheduler import Compiling, Failed, LayerArrived, Ready, Started
 
-_OPS = {"started": Started, "layer": LayerArrived, "ready": Ready, "failed": Failed}
+_OPS = {"started": Started, "compiling": Compiling, "layer": LayerArrived, "ready": Ready, "failed": Failed}
 _NAMES = {cls: op for op, cls in _OPS.items()}
 
 

@@ -3,7 +3,8 @@ worker threads and the prefill process of two-process serving.
 
 :class:`PrefillWorker.run` takes a :class:`PrefillJob` (what the decode scheduler's
 ``StartPrefill`` asks for: the prompt, the attempt, the decode rank that reserved its
-blocks), and reports to the decode side through ``emit``: ``Started``, one ``LayerArrived``
+blocks), and reports to the decode side through ``emit``: ``Started``, ``Compiling`` around
+each program the pool compiles (compile time is not handoff time), one ``LayerArrived``
 per chunk sent on the link (the payload the link returned), then ``Ready`` (first token,
 prefix-cache info, the checksums of every chunk sent) or ``Failed``. A cached prefix
 (``store``) is loaded layer by layer; a block that fails its checksum (or vanished) is
@@ -18,7 +19,7 @@ import threading
 from pdjax.disagg.link import Cancelled, Chunk, checksum, checksums_to_host
 from pdjax.disagg.prefix_store import CorruptBlockError, MissingBlockError
 from pdjax.disagg.request import Request
-from pdjax.disagg.scheduler import Failed, LayerArrived, Ready, Started
+from pdjax.disagg.scheduler import Compiling, Failed, LayerArrived, Ready, Started
 from pdjax.disagg.wire import PrefillJob
 
 
@@ -76,7 +77,8 @@ class PrefillWorker:
             emit(Started(job.request, job.attempt, self.clock.now()))
             prefix = self._cached_prefix(req) if use_store else None
             tok, rows = self.pool.run(req, push, prefix, chunk=self.chunk, step_lock=self.step_lock,
-                                      timeline=self.timeline)
+                                      timeline=self.timeline, on_compile=lambda active: emit(
+                                          Compiling(job.request, job.attempt, active, self.clock.now())))
             info = {"prefix_hit_tokens": req.prefix_hit_tokens, "prefix_errors": list(req.prefix_errors),
                     "prefill_chunks": list(req.prefill_chunks)}
             emit(Ready(job.request, job.attempt, tok, self.clock.now(), info, checksums_to_host(sums)))

@@ -134,3 +134,18 @@ def test_an_error_escaping_generate_leaves_the_pool_as_it_was(any_engine, pd_pro
         run_with_faults(any_engine, pd_prompts[:4], [], on_token=on_token)
     assert_nothing_held(any_engine, free)
     assert run_with_faults(any_engine, pd_prompts[:4], [])[0] == pd_expected[:4]
+
+
+def test_cold_compiles_are_not_handoff_time(tiny_cfg, tiny_params, pd_prompts, pd_expected):
+    """A fresh engine (every prompt bucket compiles on first use) with a 0.3 s handoff deadline
+    on the real clock: the prefill reports each compile (Compiling), which does not count as
+    'no progress', so a clean run records no handoff timeout and no retry."""
+    eng = PDEngine(tiny_params, tiny_cfg, prefill_devices=jax.devices()[:4], decode_devices=jax.devices()[4:],
+                   prefill_mesh={"expert": 4}, decode_mesh={"data": 2, "expert": 2}, max_decode_slots=4,
+                   max_context=256, handoff_timeout_s=0.3, link_bandwidth_Bps=1e9)
+    out = eng.generate(pd_prompts[:6], max_new_tokens=5)
+    assert out == pd_expected[:6]
+    assert eng.stats["handoff_timeouts"] == 0
+    assert [r["prefill_attempts"] for r in eng.stats["requests"]] == [1] * 6
+    kinds = collections.Counter(what for _, what, _ in eng.stats["trace"])
+    assert kinds["CancelPrefill"] == 0
