@@ -2,6 +2,7 @@
 parts (schedules, analysis, the serving simulator) load neither jax nor tensorstore."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -53,3 +54,37 @@ print(matplotlib.get_backend(), "matplotlib.pyplot" in sys.modules)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == ["svg", "False"]
     assert (tmp_path / "g.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("old,new", [
+    ("pdjax.pipeline.zbv", "pdjax.schedules.greedy.zbv"),
+    ("pdjax.pipeline.run_bubble_sweep", "pdjax.experiments.bubble_sweep.run_bubble_sweep"),
+    ("pdjax.analysis.GiB", "pdjax.analysis.units.GiB"),
+    ("pdjax.analysis.microbatches_for_bubble", "pdjax.schedules.formulas.min_microbatches_1f1b"),
+    ("pdjax.analysis.calibrate", "pdjax.timing.calibrate"),
+    ("pdjax.analysis.afd", "pdjax.analysis.afd_bounds"),
+    ("pdjax.sim.percentiles", "pdjax.sim.metrics.percentiles"),
+    ("pdjax.sim.search", "pdjax.sim.sweeps"),
+])
+def test_names_that_left_a_face_keep_a_deprecated_alias(old, new):
+    """A name that left a subpackage's face (or moved, or was renamed) still resolves at its old
+    path for one release, to the very object at its new home, with a DeprecationWarning
+    naming that home."""
+    import importlib
+
+    def resolve(path):
+        parts = path.split(".")
+        for n in range(len(parts), 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:n]))
+            except ModuleNotFoundError:
+                continue
+            for a in parts[n:]:
+                obj = getattr(obj, a)
+            return obj
+
+    package, name = old.rsplit(".", 1)
+    with pytest.warns(DeprecationWarning, match=re.escape(f"moved to {new}")):
+        got = getattr(importlib.import_module(package), name)
+    assert got is resolve(new)
+    assert name not in importlib.import_module(package).__all__

@@ -17,6 +17,7 @@ See docs/analysis.md for the formulas and the assumptions behind the reference f
 module (``pdjax.analysis.kv.kv_elements_per_token``, ``pdjax.analysis.units.GiB``, ...).
 """
 
+from pdjax.deprecation import package_getattr
 from pdjax.analysis.afd_bounds import afd_min_microbatches, afd_speedup
 from pdjax.analysis.costmodel import Efficiency, RooflineCostModel
 from pdjax.analysis.costmodel_fit import fit_decode_cost, fit_prefill_cost
@@ -58,29 +59,16 @@ _MOVED = {
 }
 
 
-def __getattr__(name):
-    import importlib
-    import warnings
-
-    if name in _MOVED or name in _ELSEWHERE:
-        where = _ELSEWHERE.get(name) or f"pdjax.analysis.{_MOVED[name]}"
-        attr = "min_microbatches_1f1b" if name == "microbatches_for_bubble" else name
-        warnings.warn(f"pdjax.analysis.{name} is {where}.{attr} (off the analysis face; this alias goes in the "
-                      "next release)", DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(where), attr)
-    if name in _SUBMODULES:                   # a module not loaded yet (pdjax.analysis.units, ...)
-        return importlib.import_module(f"{__name__}.{name}")
-    if name in _RENAMED:
-        warnings.warn(f"pdjax.analysis.{name} is pdjax.analysis.{_RENAMED[name]} (this alias goes in the next "
-                      "release)", DeprecationWarning, stacklevel=2)
-        return importlib.import_module(f"{__name__}.{_RENAMED[name]}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 # moved out of analysis; the timing functions are runtime (they call the model), found by name at
 # call time so that nothing here imports them
-_ELSEWHERE = {"ParamCounts": "pdjax.param_counts", "microbatches_for_bubble": "pdjax.schedules.formulas",
+_ELSEWHERE = {"ParamCounts": "pdjax.param_counts",
+              "microbatches_for_bubble": ("pdjax.schedules.formulas", "min_microbatches_1f1b"),
               **dict.fromkeys(("calibrate", "calibrate_decode", "measure_decode", "measure_prefill"), "pdjax.timing")}
 _SUBMODULES = ("afd_bounds", "bubbles", "costmodel", "costmodel_calibrate", "costmodel_fit", "kv", "moe_bounds", "published",
                "roofline", "units")
 _RENAMED = {"afd": "afd_bounds", "moe": "moe_bounds"}   # module names that said less than they hold
+
+__getattr__ = package_getattr(__name__, {**{name: f"{__name__}.{module}" for name, module in _MOVED.items()},
+                                         **_ELSEWHERE,
+                                         **{name: (f"{__name__}.{module}", None) for name, module in _RENAMED.items()}},
+                              _SUBMODULES)

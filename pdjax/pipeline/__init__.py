@@ -13,8 +13,8 @@ notebook. See docs/pipeline.md.
 
 import importlib
 import sys
-import warnings
 
+from pdjax.deprecation import package_getattr
 from pdjax.schedules import (DeadlockError, Layout, Schedule, ScheduleError, SearchResult, Timeline,
                              bubble_formula, build, compare, format_report, formula_conditions, lower_bound,
                              memory_table, plot, search, simulate, stage_costs, validate)
@@ -59,10 +59,5 @@ _DEPRECATED = {
 _DEPRECATED_ELSEWHERE = {"run_bubble_sweep": "pdjax.experiments.bubble_sweep"}
 
 
-def __getattr__(name):
-    if name in _DEPRECATED or name in _DEPRECATED_ELSEWHERE:
-        where = _DEPRECATED_ELSEWHERE.get(name) or f"pdjax.schedules.{_DEPRECATED[name]}"
-        warnings.warn(f"pdjax.pipeline.{name} moved to {where}.{name} (this alias goes in the next release)",
-                      DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(where), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = package_getattr(__name__, {**{name: f"pdjax.schedules.{module}" for name, module in _DEPRECATED.items()},
+                                         **_DEPRECATED_ELSEWHERE})

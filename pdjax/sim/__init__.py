@@ -19,9 +19,7 @@ Pure Python + numpy (matplotlib for plots); no jax. See docs/sim.md.
 module (``pdjax.sim.policies.chunk_for_budget``, ``pdjax.sim.afd_step.AFDStepModel``, ...).
 """
 
-import importlib
-import warnings
-
+from pdjax.deprecation import package_getattr
 from pdjax.sim.controller import ControllerConfig
 from pdjax.sim.cost import FittedStepCost, LinearStepCost
 from pdjax.sim.deployment import AFDisaggregated, Colocated, PDDisaggregated
@@ -55,16 +53,6 @@ _SUBMODULES = ("afd_step", "colocated", "controller", "cost", "deployment", "ins
 _RENAMED = {"afd": "afd_step", "search": "sweeps"}   # module names another subpackage also used
 
 
-def __getattr__(name):
-    if name in _MOVED:
-        where = f"{__name__}.{_MOVED[name]}"
-        warnings.warn(f"pdjax.sim.{name} is {where}.{name} (off the sim face; this alias goes in the next release)",
-                      DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(where), name)
-    if name in _SUBMODULES:
-        return importlib.import_module(f"{__name__}.{name}")
-    if name in _RENAMED:
-        warnings.warn(f"pdjax.sim.{name} is pdjax.sim.{_RENAMED[name]} (this alias goes in the next release)",
-                      DeprecationWarning, stacklevel=2)
-        return importlib.import_module(f"{__name__}.{_RENAMED[name]}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = package_getattr(__name__, {**{name: f"{__name__}.{module}" for name, module in _MOVED.items()},
+                                         **{name: (f"{__name__}.{module}", None) for name, module in _RENAMED.items()}},
+                              _SUBMODULES)
