@@ -4,12 +4,20 @@ ops, and the compiled programs of its op kinds and of the overlapped pairs it le
 
 :meth:`pdjax.pipeline.Executor.compile` fills one :class:`CompiledStage` per stage (its
 forward first, then the backwards whose inputs the forward's outputs fix, then the weight
-gradients); the step runner (:mod:`pdjax.pipeline.runtime`) reads them."""
+gradients); the step runner (:mod:`pdjax.pipeline.runtime`) reads them. The compiled
+programs themselves are shared between executors that run the same stage program on the same
+devices (:func:`compile_all`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import threading
+import weakref
 from typing import Any, Callable, Optional
+
+import jax
+
+from pdjax.pipeline import stages as st
 
 
 @dataclasses.dataclass(eq=False)
@@ -46,3 +54,41 @@ class CompiledStage:
     kept: Optional[list] = None
     acc_reshard: bool = False
     pairs: dict = dataclasses.field(default_factory=dict)
+
+
+# compiled programs shared by executors (and schedules) that run the same stage program on the
+# same devices; weak, so they go when the last executor using them does (every loaded XLA:CPU
+# executable holds memory mappings, and a process has a bounded number of those)
+_COMPILED: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+_COMPILE_LOCK = threading.Lock()
+
+
+def clear_caches() -> None:
+    """Forget the traced stage programs and the shared compiled programs (executors keep
+    their own); e.g. between the points of a long sweep."""
+    with _COMPILE_LOCK:
+        _COMPILED.clear()
+    st.clear_caches()
+
+
+def compile_all(jobs) -> list:
+    """Compile ``(key, jitted, specs)`` jobs, each once per process (one thread: concurrent
+    XLA:CPU compiles of these programs aborted the process in a test run)."""
+    out = []
+    for key, jitted, specs in jobs:
+        full_key = compile_key(key, specs)
+        with _COMPILE_LOCK:
+            hit = _COMPILED.get(full_key)
+        if hit is None:
+            hit = jitted.lower(*specs).compile()
+            with _COMPILE_LOCK:
+                hit = _COMPILED.setdefault(full_key, hit)
+        out.append(hit)
+    return out
+
+
+def compile_key(key, specs):
+    """A compiled program's identity: its key and the structure, shapes, dtypes and shardings
+    of its inputs."""
+    leaves, treedef = jax.tree.flatten(specs)
+    return (key, treedef, tuple((x.shape, str(x.dtype), x.sharding) for x in leaves))

@@ -29,8 +29,7 @@ shard sizes summed over the rank's devices.
 
 from __future__ import annotations
 
-import threading
-import weakref
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -40,42 +39,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 from pdjax.config import ModelConfig
 from pdjax.pipeline import executor_checks as ec
 from pdjax.pipeline import stages as st
-from pdjax.pipeline.compiled import CompiledStage
+from pdjax.pipeline.compiled import CompiledStage, compile_all
 from pdjax.schedules.ops import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, OverlapFB
 from pdjax.pipeline.runtime import StepRun
 
 LOSSES = ec.LOSSES   # the losses the executor runs
-
-
-# compiled programs shared by executors (and schedules) that run the same stage program on the
-# same devices; weak, so they go when the last executor using them does (every loaded XLA:CPU
-# executable holds memory mappings, and a process has a bounded number of those)
-_COMPILED: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
-_COMPILE_LOCK = threading.Lock()
-
-
-def clear_caches() -> None:
-    """Forget the traced stage programs and the shared compiled programs (executors keep
-    their own); e.g. between the points of a long sweep."""
-    with _COMPILE_LOCK:
-        _COMPILED.clear()
-    st.clear_caches()
-
-
-def _compile_all(jobs) -> list:
-    """Compile ``(key, jitted, specs)`` jobs, each once per process (one thread: concurrent
-    XLA:CPU compiles of these programs aborted the process in a test run)."""
-    out = []
-    for key, jitted, specs in jobs:
-        full_key = _compile_key(key, specs)
-        with _COMPILE_LOCK:
-            hit = _COMPILED.get(full_key)
-        if hit is None:
-            hit = jitted.lower(*specs).compile()
-            with _COMPILE_LOCK:
-                hit = _COMPILED.setdefault(full_key, hit)
-        out.append(hit)
-    return out
 
 
 def _equivalent(shardings, others) -> bool:
@@ -100,11 +68,6 @@ def _placement(a):
 def _zeros_like(tree):
     """A stage's gradient accumulator: zeros like its params (built once per executor)."""
     return jax.tree.map(jnp.zeros_like, tree)
-
-
-def _compile_key(key, specs):
-    leaves, treedef = jax.tree.flatten(specs)
-    return (key, treedef, tuple((x.shape, str(x.dtype), x.sharding) for x in leaves))
 
 
 class _Rank:
@@ -154,6 +117,11 @@ class Executor:
         self.devices_per_rank = k
         self.ranks = [_Rank(r, devices[r * k:(r + 1) * k]) for r in range(n)]
         self.chunks = st.split_layers(cfg.num_hidden_layers, num_chunks, layers_per_stage)
+        empty = [c.index for c in self.chunks if c.stop == c.start]
+        if empty and layers_per_stage is None:      # said out loud unless the caller chose it
+            warnings.warn(f"the {cfg.num_hidden_layers}-layer model splits over {num_chunks} pipeline stages as "
+                          f"{self.layer_split()}: stage(s) {empty} hold no transformer layer (pass "
+                          "layers_per_stage to choose the split)", UserWarning, stacklevel=2)
         # stage -> chunk (its position in its pipeline)
         self.stage_chunk = [0] * schedule.num_stages
         for pipe in layout.pipelines:
@@ -255,7 +223,7 @@ class Executor:
                     jobs[s] = ((prog.key, "F"), prog.F, (sp_spec, x_spec, tok_spec))
                 prev = prog
         here = [s for s in range(len(info)) if self._here(s)]
-        for s, f in zip(here, _compile_all([jobs[s] for s in here])):
+        for s, f in zip(here, compile_all([jobs[s] for s in here])):
             i = info[s]
             prog = i.prog
             y_sh, res_sh = f.output_shardings
@@ -293,7 +261,7 @@ class Executor:
             if kind == FULL_BACKWARD:
                 bargs = (bk.sp,) + bargs
             jobs.append(((pair.key, "FB"), pair.fn, (f.sp, f.x, f.tok, *bargs)))
-        compiled = _compile_all(jobs)
+        compiled = compile_all(jobs)
         for (s, kind), c in zip(singles, compiled[:len(singles)]):
             setattr(info[s], kind, c)
             if kind == BACKWARD_INPUT:
@@ -313,7 +281,7 @@ class Executor:
             info[fs].pairs[(bs, kind)] = (c, reshard)
         jobs = [((info[s].prog.key, "W"), info[s].prog.W,
                  (info[s].sp, info[s].sp, info[s].kept, info[s].carry)) for s in sorted(weights)]
-        for s, c in zip(sorted(weights), _compile_all(jobs)):
+        for s, c in zip(sorted(weights), compile_all(jobs)):
             info[s].W = c
             _check_acc(info[s], c.output_shardings)
 
@@ -330,6 +298,14 @@ class Executor:
         i.carry = [self._spec(a.shape, a.dtype, sh) for a, sh in zip(carry_shapes, shardings)]
         values = [i.x, *i.res, i.gy]
         i.kept = [values[j] for j in prog.w_keep]
+
+    def layer_split(self) -> list[int]:
+        """Transformer layers per model chunk (per stage position in a pipeline)."""
+        return [c.stop - c.start for c in self.chunks]
+
+    def __repr__(self) -> str:
+        return (f"Executor({self.schedule}, layers per stage {self.layer_split()}, "
+                f"{self.devices_per_rank} device(s) per rank)")
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self, params, tokens):

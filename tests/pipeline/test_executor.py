@@ -189,3 +189,16 @@ def test_micro_batch_ids_must_cover_the_batch(exec_cfg):
 def test_too_few_devices_says_how_to_simulate_more(tiny_cfg):
     with pytest.raises(ValueError, match=r"only 1 devices were given .*xla_force_host_platform_device_count=16"):
         pp.Executor(pp.build("1f1b", 16, 16), tiny_cfg, devices=jax.devices()[:1])
+
+
+def test_a_stage_without_a_layer_is_said_out_loud(tiny_cfg):
+    """tiny has 3 layers: 1F1B on 4 ranks leaves a stage with none, a warning says so (not
+    when layers_per_stage chose the split); the executor's repr shows the split."""
+    with pytest.warns(UserWarning, match=r"3-layer model splits over 4 pipeline stages as \[1, 1, 1, 0\]"):
+        ex = pp.Executor(pp.build("1f1b", 4, 4), tiny_cfg, devices=jax.devices()[:4])
+    assert "layers per stage [1, 1, 1, 0]" in repr(ex)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        chosen = pp.Executor(pp.build("1f1b", 4, 4), tiny_cfg, devices=jax.devices()[:4], layers_per_stage=[0, 1, 1, 1])
+    assert chosen.layer_split() == [0, 1, 1, 1]
