@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 
 from pdjax.configs import PRESETS
@@ -108,25 +107,16 @@ def headline(rows) -> str:
 def report_table(rows) -> str:
     """The rows (:class:`pdjax.pipeline.executed.ExecutedRow`) as a markdown table, with a
     note on its columns."""
-    def pct(x):
-        return f"{100 * x:+.1f}%"
-    table_rows = [{
-        "schedule": r.schedule, "P": r.P, "ranks": r.ranks, "m": r.microbatches,
-        "measured ms": f"{r.measured_makespan_ms:.1f}", "simulated ms": f"{r.simulated_makespan_ms:.1f}",
-        "error": pct(r.makespan_error), "bubble meas.": f"{r.measured_bubble_ratio:.3f}",
-        "bubble sim.": f"{r.simulated_bubble_ratio:.3f}",
-        "bubble formula": "n/a" if math.isnan(r.formula_bubble_ratio)
-        else f"{r.formula_bubble_ratio:.3f}" + ("" if r.formula_applies else "*"),
-        "error (in-run op times)": pct(r.inrun_makespan_error), "contention": f"{r.contention:.2f}",
-        "peak MiB per rank": "/".join(f"{b / 2**20:.2f}" for b in r.measured_peak_bytes),
-        "peak = sim": "yes" if r.measured_peak_bytes == r.simulated_peak_bytes else "NO",
-        "dispatch ms": f"{r.dispatch_ms:.3f}"} for r in rows]
+    from pdjax.pipeline.executed import TABLE_HEAD, table_cells
+
+    table_rows = [dict(zip(TABLE_HEAD, table_cells(r))) for r in rows]
     inexact: dict[str, list[str]] = {}
     for r in rows:
         if not r.formula_applies:
             inexact.setdefault(r.formula_note, []).append(r.schedule)
     why = "; ".join(f"{', '.join(names)}: {note}" for note, names in inexact.items()) or "none"
-    note = ("error = simulated / measured - 1, the simulation fed with op times measured in isolation; "
+    note = ("measured ms: the median measured step's makespan, [min-max] over the measured steps; "
+            "error = simulated / measured - 1, the simulation fed with op times measured in isolation; "
             "error (in-run op times): fed with the op times as they ran in the measured step; contention: "
             "the step's busy time over the isolated ops' (XLA:CPU runs one op on every core, so ranks "
             "sharing the cores slow each other). Bubble formula: the closed form at the stage means of the "

@@ -266,25 +266,33 @@ def plot_pair(row: ExecutedRow, path=None, dpi: int = 120):
     return fig
 
 
-def _cells(row: ExecutedRow) -> list[str]:
+def table_cells(row: ExecutedRow) -> list[str]:
+    """One row's cells under :data:`TABLE_HEAD` (the text table's and the report's). The
+    measured makespan is the median step's, with the spread over the measured steps."""
     formula = "n/a" if math.isnan(row.formula_bubble_ratio) else f"{row.formula_bubble_ratio:.3f}"
     if not math.isnan(row.formula_bubble_ratio) and not row.formula_applies:
         formula += "*"
     same = "yes" if row.measured_peak_bytes == row.simulated_peak_bytes else "NO"
+    steps = row.step_makespans_ms or (row.measured_makespan_ms,)
     return [row.schedule, str(row.P), str(row.ranks), str(row.microbatches),
-            f"{row.measured_makespan_ms:.1f}", f"{row.simulated_makespan_ms:.1f}",
+            f"{row.measured_makespan_ms:.1f} [{min(steps):.1f}-{max(steps):.1f}]", f"{row.simulated_makespan_ms:.1f}",
             f"{100 * row.makespan_error:+.1f}%", f"{row.measured_bubble_ratio:.3f}",
             f"{row.simulated_bubble_ratio:.3f}", formula, f"{100 * row.inrun_makespan_error:+.1f}%",
             f"{row.contention:.2f}",
             "/".join(f"{b / 2**20:.2f}" for b in row.measured_peak_bytes), same, f"{row.dispatch_ms:.3f}"]
 
 
-_HEAD = ["schedule", "P", "ranks", "m", "measured ms", "simulated ms", "error", "bubble meas.",
-         "bubble sim.", "bubble formula", "error (in-run op times)", "contention", "peak MiB per rank", "peak = sim", "dispatch ms"]
+#: The executed-schedule table's columns: the measured makespan is the median step's with
+#: [min-max] over the measured steps.
+TABLE_HEAD = ["schedule", "P", "ranks", "m", "measured ms [min-max]", "simulated ms", "error", "bubble meas.",
+              "bubble sim.", "bubble formula", "error (in-run op times)", "contention", "peak MiB per rank",
+              "peak = sim", "dispatch ms"]
+
+
 def text_table(rows) -> str:
     """A fixed-width text table of :class:`ExecutedRow` s."""
-    table = [_HEAD] + [_cells(r) for r in rows]
-    widths = [max(len(line[i]) for line in table) for i in range(len(_HEAD))]
+    table = [TABLE_HEAD] + [table_cells(r) for r in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(TABLE_HEAD))]
     out = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths)))
            for line in table]
     out.insert(1, "-" * len(out[0]))

@@ -33,6 +33,10 @@ def test_measured_row(executor, exec_params, exec_tokens):
     assert list(row.simulated.peak_memory) == list(row.simulated_peak_bytes)
     assert set(COLUMNS) <= set(row.as_dict()) and json.dumps(row.as_dict())
     assert "zb1p" in report_table([row]) and "zb1p" in text_table([row])
+    # the tables show the spread over the measured steps, not one number
+    lo, mid, hi = sorted(row.step_makespans_ms)
+    spread = f"{mid:.1f} [{lo:.1f}-{hi:.1f}]"
+    assert spread in report_table([row]) and spread in text_table([row]), text_table([row])
 
 
 def test_experiment_writes_table_and_plots(tmp_path, exec_cfg, exec_tokens, executor):
