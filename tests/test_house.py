@@ -38,7 +38,7 @@ LEFT = {
         "pdjax/pipeline/processes.py",
     },
     "layering": {
-        "pdjax.pipeline.processes -> pdjax.disagg.children", "pdjax.pipeline.processes -> pdjax.disagg.transfer",
+        "pdjax.pipeline.processes -> pdjax.disagg.children",
     },
     "pure": set(),
 }

@@ -13,7 +13,7 @@ from pdjax.disagg.launcher import TwoProcessServer, launch_two_process
 from pdjax.disagg.link import Chunk, DevicePutLink
 from pdjax.disagg.request import Request, RequestError, SamplingParams
 from pdjax.disagg.scheduler import DecodeScheduler
-from pdjax.disagg.transfer import TransferLink
+from pdjax.disagg.link import TransferLink
 
 __all__ = ["AFDEngine", "Chunk", "ColocatedEngine", "DecodeScheduler", "DevicePutLink", "PDEngine", "Request", "RequestError",
            "SamplingParams", "TransferLink", "TwoProcessServer", "launch_two_process"]

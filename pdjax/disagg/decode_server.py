@@ -37,7 +37,8 @@ from pdjax.disagg.prefill_server import mesh_devices
 from pdjax.disagg.request import Clock, Request, RequestError, SamplingParams, validate_request
 from pdjax.disagg.scheduler import (CancelPrefill, DecodeScheduler, Failed, Finished, LayerArrived, StartPrefill,
                                     Submit, Token)
-from pdjax.disagg.transfer import Control, KVReceiver, TransferLink, listen, start_transfer_server
+from pdjax.cluster.transfer import ArrayReceiver, Control, listen, start_transfer_server
+from pdjax.disagg.link import TransferLink
 from pdjax.disagg.wire import PrefillJob, event_from_wire
 
 
@@ -78,7 +79,7 @@ class DecodeServer:
         hello = ctl.recv()
         if not hello or hello.get("op") != "hello":
             raise ConnectionError(f"expected hello from the prefill process, got {hello!r}")
-        self.link = TransferLink(receiver=KVReceiver(hello["transfer_address"], self.server))
+        self.link = TransferLink(receiver=ArrayReceiver(hello["transfer_address"], self.server))
         self._generation += 1
         self.prefill = ctl
         threading.Thread(target=self._read_prefill, args=(ctl, self.link, self._generation), daemon=True).start()

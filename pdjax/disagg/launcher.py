@@ -24,7 +24,7 @@ import time
 
 from pdjax.disagg.children import READY, child_env, file_tail
 from pdjax.disagg.request import RequestError, SamplingParams
-from pdjax.disagg.transfer import Control
+from pdjax.cluster.transfer import Control
 
 
 def _per_request(value, n: int) -> list:

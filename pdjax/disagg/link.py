@@ -15,7 +15,7 @@ A link is any object with
 
 Implementations: :class:`DevicePutLink` (one process: ``jax.device_put`` onto the rank's
 device, asynchronous, so the copy of layer l overlaps layer l+1's compute) and
-:class:`pdjax.disagg.transfer.TransferLink` (two processes: ``jax.experimental.transfer``).
+:class:`TransferLink` (two processes: ``jax.experimental.transfer``).
 Faults (failed, stalled, delayed or corrupted transfers, a dying worker) are injected by
 wrapping a link, in the tests (``tests/disagg/faults.py``), never by hooks in the engines.
 
@@ -87,3 +87,23 @@ class DevicePutLink:
 
     def cancel(self, request: int, attempt: int) -> None:
         pass
+
+
+class TransferLink:
+    """The two-process KV link (:mod:`pdjax.cluster.transfer`): ``send`` offers the rows
+    (``sender``: a :class:`~pdjax.cluster.transfer.ArraySender`, prefill side) and returns the transfer descriptor as the
+    payload announced over the control plane; ``receive`` pulls it onto a device
+    (``receiver``: a :class:`~pdjax.cluster.transfer.ArrayReceiver`, decode side)."""
+
+    def __init__(self, sender=None, receiver=None):
+        self.sender, self.receiver = sender, receiver
+
+    def send(self, chunk):
+        desc = self.sender.offer(chunk.rows)
+        return desc, desc["nbytes"]
+
+    def receive(self, payload: dict, device) -> jax.Array:
+        return self.receiver.pull(payload, device)
+
+    def cancel(self, request: int, attempt: int) -> None:
+        pass                    # an offer nobody pulls expires (ArraySender ttl_s)

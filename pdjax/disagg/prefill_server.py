@@ -3,7 +3,7 @@
 :class:`PrefillServer` accepts decode connections on a loopback control socket and runs
 their ``prefill`` jobs one at a time, in order, with the same
 :class:`~pdjax.disagg.worker.PrefillWorker` the in-process engines use: each layer's rows
-are offered on a :class:`~pdjax.disagg.transfer.TransferLink` (``jax.experimental.transfer``)
+are offered on a :class:`~pdjax.disagg.link.TransferLink` (``jax.experimental.transfer``)
 and announced as soon as the layer is dispatched (the pull overlaps the next layer's
 compute); then ``ready`` with the first token and the chunks' checksums. ``cancel`` stops an
 attempt the decode side abandoned (dropped if queued, stopped at its next layer if running).
@@ -27,7 +27,8 @@ from pdjax.disagg.children import announce_ready
 from pdjax.disagg.prefill import PrefillPool
 from pdjax.disagg.prefix_store import PrefixStore
 from pdjax.disagg.request import Clock
-from pdjax.disagg.transfer import Control, KVSender, TransferLink, listen, start_transfer_server
+from pdjax.cluster.transfer import ArraySender, Control, listen, start_transfer_server
+from pdjax.disagg.link import TransferLink
 from pdjax.disagg.wire import PrefillJob, event_to_wire
 from pdjax.disagg.worker import PrefillWorker
 
@@ -53,7 +54,7 @@ class PrefillServer:
         if prefix_cache is not None:
             self.store = PrefixStore(cfg, block_size, dtype=cfg.kv_cache_dtype, device=self.pool.replicated,
                                      **{"device_blocks": 0, "host_blocks": 256, **prefix_cache})
-        self.sender = KVSender(start_transfer_server(jax.local_devices()))
+        self.sender = ArraySender(start_transfer_server(jax.local_devices()))
         self.link = TransferLink(sender=self.sender)
         self.control_ops: dict = {}                    # op -> handler(message) -> reply
         if link_wrapper is not None:

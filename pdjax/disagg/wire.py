@@ -1,5 +1,5 @@
 """What crosses a process boundary between the decode and the prefill side, as JSON objects
-(framed by :class:`pdjax.disagg.transfer.Control`): a :class:`PrefillJob` (decode ->
+(framed by :class:`pdjax.cluster.transfer.Control`): a :class:`PrefillJob` (decode ->
 prefill), the prefill side's scheduler events (prefill -> decode: ``started``, ``compiling``, ``layer``
 with the link's payload, ``ready``, ``failed``; :func:`event_to_wire` /
 :func:`event_from_wire`, the receiver stamps them with its own clock), and ``cancel``.

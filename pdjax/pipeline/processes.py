@@ -21,7 +21,7 @@ How values cross ranks (``transport``):
   the ops that make them, in isolation as in the run, and no rank ever needs another
   rank's core to receive: what a GPU's copy engine does beside the compute is, on a CPU
   rank of one core, part of its ops.
-- ``"transfer"``: ``jax.experimental.transfer`` (:mod:`pdjax.disagg.transfer`): the producer
+- ``"transfer"``: ``jax.experimental.transfer`` (:mod:`pdjax.cluster.transfer`): the producer
   offers the array, a receiving thread of the consumer pulls it. On CPU devices serving a
   pull takes the *producer's* core: measured with a 5 MB array, 2-5 ms when the producer is
   idle, 13-19 ms while it computes, so the link time depends on what the other rank runs.
@@ -166,7 +166,7 @@ class RankProcesses:
             return json.load(f)
 
     def _connect(self, infos) -> None:
-        from pdjax.disagg.transfer import Control
+        from pdjax.cluster.transfer import Control
 
         for r, info in enumerate(infos):
             ctl = Control.connect(info["control"])
@@ -383,7 +383,7 @@ class _Worker:
     def __init__(self, spec: dict, run_dir: str, rank: int):
         import jax
 
-        from pdjax.disagg.transfer import KVSender, listen, start_transfer_server
+        from pdjax.cluster.transfer import ArraySender, listen, start_transfer_server
         from pdjax.pipeline import stages as st
         from pdjax.pipeline.executor import Executor
         from pdjax.pipeline.runtime import Mailbox
@@ -414,7 +414,7 @@ class _Worker:
         self.transport = spec["transport"]
         self._files = 0
         self.server = start_transfer_server([self.dev])
-        self.sender = KVSender(self.server, ttl_s=spec["timeout_s"])
+        self.sender = ArraySender(self.server, ttl_s=spec["timeout_s"])
         self.listener = listen()
         self.lock = _FileLock(os.path.join(run_dir, "ops.lock"))
         self.peers_out: dict = {}
@@ -433,7 +433,7 @@ class _Worker:
 
     # ---- connections -----------------------------------------------------------------------
     def _accept(self):
-        from pdjax.disagg.transfer import Control
+        from pdjax.cluster.transfer import Control
 
         while True:
             sock, _ = self.listener.accept()
@@ -448,7 +448,7 @@ class _Worker:
     def _receive(self, ctl, src: int):
         """Announced values from rank ``src``, into the mailbox: "transfer" pulls each onto
         this device here; "shm" leaves it to the consumer (:class:`_Incoming`)."""
-        from pdjax.disagg.transfer import KVReceiver
+        from pdjax.cluster.transfer import ArrayReceiver
 
         try:
             while (msg := ctl.recv()) is not None:
@@ -457,7 +457,7 @@ class _Worker:
                     self.mail.put((kind, int(stage), int(mb)), _Incoming(msg, self, time.perf_counter()))
                     continue
                 if src not in self._receivers:
-                    self._receivers[src] = KVReceiver(self.peer_transfer[src], self.server)
+                    self._receivers[src] = ArrayReceiver(self.peer_transfer[src], self.server)
                 value = self._receivers[src].pull(msg, self.dev)
                 landed = time.perf_counter()
                 self._landed(msg, landed, landed - msg["sent"])
@@ -509,7 +509,7 @@ class _Worker:
         os._exit(0)
 
     def _cmd_peers(self, msg):
-        from pdjax.disagg.transfer import Control
+        from pdjax.cluster.transfer import Control
 
         for info in msg["peers"]:
             r = int(info["rank"])

@@ -188,7 +188,7 @@ def inject_prefill_fault(server, **fault) -> dict:
     """Send ``fault`` to the prefill process of a ``launch_two_process`` server (started with
     serve_faulty.py) on a control connection of its own; returns the reply, raises if the
     process refused it."""
-    from pdjax.disagg.transfer import Control
+    from pdjax.cluster.transfer import Control
 
     ctl = Control.connect(server.prefill_info["control"])
     try:

@@ -15,7 +15,7 @@ import pytest
 import pdjax
 from pdjax.disagg import RequestError
 from pdjax.disagg import launch_two_process
-from pdjax.disagg.transfer import Control, KVReceiver, KVSender, listen
+from pdjax.cluster.transfer import ArrayReceiver, ArraySender, Control, listen
 
 from faults import inject_prefill_fault
 
@@ -70,8 +70,13 @@ def test_control_messages_round_trip():
     finally:
         b.close()
         lst.close()
-    with pytest.raises(ValueError, match="loopback"):
-        listen("0.0.0.0")
+    wide = listen("0.0.0.0")          # a configurable address: every interface, for a multi-host launch
+    try:
+        assert wide.getsockname()[0] == "0.0.0.0"
+    finally:
+        wide.close()
+    with pytest.raises(ValueError, match="host:port"):
+        Control.connect("no-port")
 
 
 def test_transfer_channel_moves_exact_rows():
@@ -81,8 +86,8 @@ def test_transfer_channel_moves_exact_rows():
     for dtype in (np.float32, jax.numpy.bfloat16):
         rows = jax.device_put(np.arange(7 * 40).reshape(7, 40).astype(dtype),
                               jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-        sender = KVSender()
-        receiver = KVReceiver(sender.address)
+        sender = ArraySender()
+        receiver = ArrayReceiver(sender.address)
         desc = sender.offer(rows)
         assert desc["nbytes"] == rows.nbytes == 7 * 40 * np.dtype(dtype).itemsize
         got = receiver.pull(desc, jax.devices()[6])
@@ -100,7 +105,7 @@ def test_a_pull_from_a_dead_sender_is_a_connection_error():
         def pull(self, uuid, specs):
             raise jax.errors.JaxRuntimeError("INTERNAL: SocketServer: Connection closed recv() == 0.")
 
-    receiver = KVReceiver(KVSender().address)
+    receiver = ArrayReceiver(ArraySender().address)
     receiver.connection = Broken()
     desc = {"uuid": 7, "shape": [2, 4], "dtype": "float32", "nbytes": 32}
     with pytest.raises(ConnectionError, match="uuid 7"):

@@ -1,5 +1,6 @@
-"""The cross-process KV channel: latent rows over ``jax.experimental.transfer``, control
-messages over a local TCP socket.
+"""Channels between the processes of pdjax: arrays over ``jax.experimental.transfer``,
+control messages over TCP (both bound to loopback unless told otherwise). The PD servers move
+latent KV rows over them and the pipeline's rank processes their activations.
 
 Data plane: each process runs a :class:`jax.experimental.transfer.TransferServer` bound to
 loopback. The sender (prefill) *offers* an array under a fresh integer uuid
@@ -12,7 +13,8 @@ length, then UTF-8 JSON). A layer is announced with
 ``{"op": "layer", "request": i, "layer": l, "uuid": u, "shape": [T, C+R], "dtype": "float32",
 "nbytes": T * (C+R) * itemsize}`` after it has been offered, so the pull never waits for it.
 
-Everything listens on 127.0.0.1 with port 0 (a random free port the OS picks).
+Everything listens on 127.0.0.1 by default (``listen(host)``, ``start_transfer_server(host=)``
+for another interface) with port 0 (a random free port the OS picks).
 """
 
 from __future__ import annotations
@@ -105,9 +107,8 @@ def _plain(value):
 
 
 def listen(host: str = LOOPBACK, port: int = 0) -> socket.socket:
-    """A listening TCP socket on loopback; port 0 = a random free port (``sock.getsockname()``)."""
-    if host not in (LOOPBACK, "localhost"):
-        raise ValueError(f"the control plane listens on loopback only, got host={host!r}")
+    """A listening TCP socket on ``host`` (default loopback; "0.0.0.0" for every interface of
+    a multi-host deployment); port 0 = a random free port (``sock.getsockname()``)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind((host, port))
     sock.listen(16)
@@ -122,11 +123,11 @@ def split_address(address: str) -> tuple[str, int]:
 
 
 # ---- data plane ----------------------------------------------------------------------------
-def start_transfer_server(devices=None) -> jax_transfer.TransferServer:
-    """A TransferServer for this process's devices on loopback (random free ports)."""
+def start_transfer_server(devices=None, host: str = LOOPBACK) -> jax_transfer.TransferServer:
+    """A TransferServer for this process's devices on ``host`` (random free ports)."""
     devices = list(devices if devices is not None else jax.local_devices())
     client = devices[0].client
-    return jax_transfer.start_transfer_server(client, f"{LOOPBACK}:0", [f"{LOOPBACK}:0"] * len(devices))
+    return jax_transfer.start_transfer_server(client, f"{host}:0", [f"{host}:0"] * len(devices))
 
 
 def single_device(rows: jax.Array) -> jax.Array:
@@ -139,7 +140,7 @@ def single_device(rows: jax.Array) -> jax.Array:
     return jax.device_put(rows, rows.addressable_shards[0].device)
 
 
-class KVSender:
+class ArraySender:
     """The sending end (prefill): ``offer(rows)`` makes ``rows`` pullable once under a fresh
     uuid and returns the descriptor to announce over the control plane. An offer not pulled
     within ``ttl_s`` seconds is dropped by the server (a receiver that died)."""
@@ -166,7 +167,7 @@ class KVSender:
         return {"uuid": uuid, "shape": list(rows.shape), "dtype": str(rows.dtype), "nbytes": nbytes}
 
 
-class KVReceiver:
+class ArrayReceiver:
     """The receiving end (decode): ``pull(desc, device)`` fetches an offered array onto
     ``device``. Counts the bytes and the seconds spent in pulls (link throughput)."""
 
@@ -200,23 +201,3 @@ class KVReceiver:
     @property
     def throughput_Bps(self) -> float:
         return self.bytes_received / self.pull_seconds if self.pull_seconds > 0 else 0.0
-
-
-class TransferLink:
-    """The two-process KV link (see :mod:`pdjax.disagg.link`): ``send`` offers the rows
-    (``sender``: a :class:`KVSender`, prefill side) and returns the transfer descriptor as the
-    payload announced over the control plane; ``receive`` pulls it onto a device
-    (``receiver``: a :class:`KVReceiver`, decode side)."""
-
-    def __init__(self, sender: KVSender | None = None, receiver: KVReceiver | None = None):
-        self.sender, self.receiver = sender, receiver
-
-    def send(self, chunk):
-        desc = self.sender.offer(chunk.rows)
-        return desc, desc["nbytes"]
-
-    def receive(self, payload: dict, device) -> jax.Array:
-        return self.receiver.pull(payload, device)
-
-    def cancel(self, request: int, attempt: int) -> None:
-        pass                    # an offer nobody pulls expires (KVSender ttl_s)
