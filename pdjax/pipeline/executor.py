@@ -34,12 +34,13 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from pdjax.config import ModelConfig
 from pdjax.pipeline import executor_checks as ec
+from pdjax.pipeline import spanning
 from pdjax.pipeline import stages as st
 from pdjax.pipeline.compiled import CompiledStage, compile_all
+from pdjax.pipeline.rank import Rank
 from pdjax.schedules.ops import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, OverlapFB
 from pdjax.pipeline.runtime import StepRun
 
@@ -70,34 +71,6 @@ def _zeros_like(tree):
     return jax.tree.map(jnp.zeros_like, tree)
 
 
-class _Rank:
-    """One pipeline rank: its devices, where batch-major arrays and params go, its MoE."""
-
-    def __init__(self, index: int, devices):
-        self.index, self.devices = index, tuple(devices)
-        if len(self.devices) == 1:
-            self.mesh, self.moe_impl = None, None
-            self._single = SingleDeviceSharding(self.devices[0])
-        else:
-            from pdjax.parallel import ExpertParallel, make_mesh
-
-            self.mesh = make_mesh({"data": 1, "expert": len(self.devices)}, self.devices)
-            self.moe_impl = ExpertParallel(self.mesh)
-
-    def batch(self, ndim: int):
-        """Sharding of a batch-major array: split over every device of the rank (DP attention)."""
-        if self.mesh is None:
-            return self._single
-        return NamedSharding(self.mesh, P(("data", "expert"), *([None] * (ndim - 1))))
-
-    def place_params(self, sp, cfg):
-        if self.mesh is None:
-            return jax.device_put(sp, self._single)
-        from pdjax.parallel import shard_params
-
-        return shard_params(sp, cfg, self.mesh)
-
-
 class Executor:
     """Runs ``schedule`` as training steps of the model ``cfg`` on ``devices``.
 
@@ -115,7 +88,12 @@ class Executor:
         layout, n = schedule.layout, schedule.num_ranks
         self.schedule, self.cfg, self.loss, self.measure, self.timeout_s = schedule, cfg, loss, measure, timeout_s
         self.devices_per_rank = k
-        self.ranks = [_Rank(r, devices[r * k:(r + 1) * k]) for r in range(n)]
+        self.ranks = [Rank(r, devices[r * k:(r + 1) * k]) for r in range(n)]
+        # the ranks whose programs this process compiles and runs (None: all). Ranks in other
+        # processes of a jax.distributed launch: :mod:`pdjax.pipeline.spanning` (a worker of
+        # :class:`pdjax.pipeline.RankProcesses` sets its one rank itself)
+        self.local_ranks = spanning.local_ranks(self.ranks)
+        self.spanning = None if self.local_ranks is None else spanning.Spanning(self, self.local_ranks)
         self.chunks = st.split_layers(cfg.num_hidden_layers, num_chunks, layers_per_stage)
         empty = [c.index for c in self.chunks if c.stop == c.start]
         if empty and layers_per_stage is None:      # said out loud unless the caller chose it
@@ -128,9 +106,6 @@ class Executor:
             for pos, s in enumerate(pipe.stages):
                 self.stage_chunk[s] = pos
         self._compiled: dict = {}
-        # the ranks whose programs this process compiles and runs (None: all; a worker of
-        # :class:`pdjax.pipeline.RankProcesses` runs one)
-        self.local_ranks = None
         self._param_shapes = None
         self.last_timeline = None
         self.last_memory = None
@@ -156,11 +131,19 @@ class Executor:
 
     # ---- placement ----------------------------------------------------------------------------
     def place(self, params) -> list[dict]:
-        """Per stage, its chunk's params on the stage's rank (DualPipe: two copies per chunk)."""
+        """Per stage, its chunk's params on the stage's rank (DualPipe: two copies per chunk);
+        a stage of another process: the shapes of its params only."""
+        if self.spanning is not None:
+            params = jax.tree.map(self.spanning.place_leaf, params)
         out = []
         for s, r in enumerate(self.schedule.layout.stage_rank):
-            chunk = self.chunks[self.stage_chunk[s]]
-            out.append(self.ranks[r].place_params(st.chunk_params(params, chunk), self.cfg))
+            chunk_params = st.chunk_params(params, self.chunks[self.stage_chunk[s]])
+            if self._here(s):
+                out.append(self.ranks[r].place_params(chunk_params, self.cfg))
+            else:
+                where = self.ranks[r].batch(0)
+                out.append(jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=where),
+                                        chunk_params))
         return out
 
     def gather_grads(self, stage_grads, like) -> dict:
@@ -170,6 +153,8 @@ class Executor:
         for s in range(self.schedule.num_stages):
             chunk = self.chunks[self.stage_chunk[s]]
             g = stage_grads[s]
+            if g is None:              # a stage of another process
+                continue
             for key in ("embed", "final_norm", "lm_head"):
                 if key in g:
                     val = jax.device_put(g[key], _placement(like[key]))
@@ -179,7 +164,9 @@ class Executor:
                 val = jax.device_put(gl, jax.tree.map(_placement, like["layers"][li]))
                 prev = out["layers"][li]
                 out["layers"][li] = val if prev is None else jax.tree.map(jnp.add, prev, val)
-        return {k: out[k] for k in like}
+        zeros = lambda a: jnp.zeros(a.shape, a.dtype, device=_placement(a))  # noqa: E731 - held elsewhere
+        out["layers"] = [jax.tree.map(zeros, lk) if g is None else g for g, lk in zip(out["layers"], like["layers"])]
+        return {k: out[k] if k in out else jax.tree.map(zeros, like[k]) for k in like}
 
     # ---- compiling ----------------------------------------------------------------------------
     def _spec(self, shape, dtype, sharding):
@@ -315,7 +302,17 @@ class Executor:
         self.check_params(params)
         tokens = self.check_batch(tokens)
         loss, stage_grads = self._run(self.place(params), tokens)
+        if self.spanning is not None:     # this process's part, then summed over the processes
+            lead = jax.sharding.SingleDeviceSharding(self.spanning.lead)
+            like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=lead), params)
+            return self.spanning.combine(loss, self.gather_grads(stage_grads, like))
         return loss, self.gather_grads(stage_grads, params)
+
+    @property
+    def replicated(self):
+        """Where a step's loss and grads live when the ranks span processes (one device per
+        process, replicated; give params there to keep a training loop on it); None otherwise."""
+        return None if self.spanning is None else self.spanning.replicated
 
     def run(self, staged, tokens):
         """A step on stage-resident params (:meth:`place`): ``(loss, per-stage grads)``."""
@@ -323,7 +320,10 @@ class Executor:
 
     def _run(self, staged, tokens):
         run = self._step(staged, tokens)
-        out = run.go()
+        if self.spanning is None:
+            out = run.go()
+        else:
+            out = self.spanning.run(run)
         if self.measure:           # the step's measurements (None when not measuring)
             self.stage_memory = {k: v.copy() for k, v in run.stage_memory.items()}
             self.last_memory, self.last_timeline = run.peak.copy(), run.timeline()
@@ -336,7 +336,12 @@ class Executor:
         info = self.compile(staged, tokens.shape)
         m = self.schedule.num_microbatches
         b = tokens.shape[0] // m
-        return StepRun(self, info, staged, [tokens[i * b:(i + 1) * b] for i in range(m)], isolated)
+        mbs = [tokens[i * b:(i + 1) * b] for i in range(m)]
+        if self.spanning is None:
+            return StepRun(self, info, staged, mbs, isolated)
+        run = StepRun(self, info, staged, mbs, isolated, ranks=sorted(self.local_ranks))
+        run.remote = self.spanning.remote_for(run)
+        return run
 
     # ---- measurement -----------------------------------------------------------------------------
     def measure_ops(self, params, tokens, repeats: int = 3):
@@ -349,6 +354,9 @@ class Executor:
 
         if not isinstance(repeats, int) or repeats < 1:
             raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+        if self.spanning is not None:
+            raise NotImplementedError("measure_ops runs one op at a time over every rank; with ranks in several "
+                                      "processes use pdjax.pipeline.RankProcesses, which does that over processes")
         self.check_params(params)
         tokens = self.check_batch(tokens)
         staged = self.place(params)

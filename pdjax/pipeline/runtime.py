@@ -172,8 +172,11 @@ class StepRun:
     def _received(self, key):
         """A value from another stage; when measuring, wait until it has landed (its transfer
         shows as idle time before the op, not inside it). A value still to be read from
-        another process (``materialize()``) is read by the op (:meth:`_mark`)."""
+        another process (``materialize()``) is read by the op (:meth:`_mark`); one with
+        ``fetch()`` (:mod:`pdjax.pipeline.spanning`) is pulled here."""
         value = self.mail.take(key, self.ex.timeout_s)
+        if hasattr(value, "fetch"):       # a pull from another process of the launch
+            value = value.fetch()
         if self.ex.measure and not hasattr(value, "materialize"):
             jax.block_until_ready(value)
         return value

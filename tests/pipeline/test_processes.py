@@ -7,17 +7,11 @@ import signal
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import pdjax.pipeline as pp
-from pdjax.schedules.ops import OverlapFB
-
-
-def _max_rel_err(tree, ref):
-    errs = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30)), tree, ref)
-    return max(jax.tree.leaves(errs))
+from timeline_checks import check_dependencies as _check_dependencies, max_rel_err as _max_rel_err
 
 
 @pytest.fixture(scope="module")
@@ -27,37 +21,6 @@ def ranks(exec_cfg, exec_params):
     rp = pp.RankProcesses(pp.build("zb1p", 2, 4), exec_cfg, params=exec_params, timeout_s=120)
     yield rp
     rp.close()
-
-
-def _parts(op):
-    return (op.forward, op.backward) if isinstance(op, OverlapFB) else (op,)
-
-
-def _check_dependencies(tl):
-    """On the shared clock: each rank's ops in order, and every op starts after the ops
-    that produce its inputs on the other rank ended."""
-    sched = tl.schedule
-    end_of = {}
-    for r, ops in enumerate(sched.ops):
-        assert np.all(tl.starts[r][1:] >= tl.ends[r][:-1]), f"rank {r}'s ops overlap"
-        for op, e in zip(ops, tl.ends[r]):
-            for part in _parts(op):
-                end_of[(part.kind, part.stage, part.microbatch)] = e
-    layout, checked = sched.layout, 0
-    for r, ops in enumerate(sched.ops):
-        for op, start in zip(ops, tl.starts[r]):
-            for part in _parts(op):
-                prev, nxt = layout.prev_stage[part.stage], layout.next_stage[part.stage]
-                if part.kind == "F" and prev >= 0:
-                    key = ("F", prev, part.microbatch)
-                elif part.kind in ("B", "I") and nxt >= 0:
-                    key = next((k, nxt, part.microbatch) for k in ("B", "I") if (k, nxt, part.microbatch) in end_of)
-                else:
-                    continue
-                if layout.stage_rank[key[1]] != r:
-                    assert start >= end_of[key], f"{op} on rank {r} started before {key} ended"
-                    checked += 1
-    return checked
 
 
 def test_rank_processes_step_equals_value_and_grad(ranks, exec_params, exec_tokens, exec_reference):

@@ -1,0 +1,255 @@
+"""An executor whose ranks live in several processes of one ``jax.distributed`` cluster.
+
+Multi-controller, as the rest of JAX: every process of the launch builds the same
+:class:`pdjax.pipeline.Executor` over the same global ``devices`` and calls ``step`` with the
+same params and batch; each process compiles and runs only its own ranks (a rank's devices
+are all in one process). A value for a stage of another process crosses with
+``jax.experimental.transfer``: the producer offers it under an id both sides derive from the
+step and the value's key, once its op's end is recorded, and says so in the cluster's
+key-value store (:mod:`pdjax.cluster.store`); the consumer's rank waits for that word when
+its op needs the value (idle time before the op, with the executor's ``timeout_s`` as its
+deadline), then pulls it. (A pull issued before the offer usually lands when the offer comes,
+but not always: measured, 1 step in 5 hung.)
+
+After the ranks' work, one jitted sum over a mesh of one device per process (a gloo/NCCL
+all-reduce) gives every process the loss and the gradients, replicated over that mesh
+(:attr:`Spanning.replicated`; params given in that placement keep a training loop on it).
+When measuring, the processes' op times, peaks and per-stage bytes are gathered too, on one
+clock: the processes pass a barrier (the coordinator's) and each times its ops from its exit (on one host every
+process reads the same monotonic clock, so their absolute times are used as they are).
+"""
+
+from __future__ import annotations
+
+import datetime
+import secrets
+import socket
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from pdjax.cluster import store
+from pdjax.cluster.transfer import start_transfer_server
+
+KIND_BITS = {"act": 0, "grad": 1}
+_ADDRESS_BYTES = 256
+_STAGE_BITS, _MB_BITS, _STEP_BITS = 8, 12, 16
+COMPILE_WAIT_S = 3600.0
+
+
+def local_ranks(ranks) -> set[int] | None:
+    """The ranks whose devices are this process's (None: every rank is). A rank with devices
+    in two processes is refused."""
+    mine = set(jax.local_devices())
+    local, remote = set(), set()
+    for rank in ranks:
+        here = [d in mine for d in rank.devices]
+        if all(here):
+            local.add(rank.index)
+        elif any(here):
+            raise ValueError(f"rank {rank.index}'s devices {[d.id for d in rank.devices]} span processes; give "
+                             "each rank devices of one process (consecutive groups of jax.devices())")
+        else:
+            remote.add(rank.index)
+    if not remote:
+        return None
+    if not local:
+        raise ValueError(f"process {jax.process_index()} holds none of the executor's ranks; every process of "
+                         "the launch must hold at least one (give the executor devices of every process)")
+    return local
+
+
+def _strings_allgather(text: str) -> list[str]:
+    raw = np.zeros(_ADDRESS_BYTES, np.uint8)
+    data = text.encode()[:_ADDRESS_BYTES]
+    raw[:len(data)] = np.frombuffer(data, np.uint8)
+    rows = np.asarray(multihost_utils.process_allgather(raw))
+    return [bytes(r).rstrip(b"\0").decode() for r in rows]
+
+
+class Spanning:
+    """The cross-process part of an :class:`~pdjax.pipeline.Executor` (built by it when its
+    devices span processes; collective: every process builds it at the same point)."""
+
+    def __init__(self, ex, local: set[int]):
+        self.ex, self.local = ex, frozenset(local)
+        devices = [d for r in ex.ranks if r.index in local for d in r.devices]
+        self.server = start_transfer_server(devices)
+        addresses = _strings_allgather(self.server.address())
+        hosts = _strings_allgather(socket.gethostname())
+        self.one_host = len(set(hosts)) == 1
+        me = jax.process_index()
+        self.connections = {p: self.server.connect(a) for p, a in enumerate(addresses) if p != me}
+        nonce = np.array(secrets.randbits(24), np.int64)
+        self.nonce = int(multihost_utils.broadcast_one_to_all(nonce))
+        self.steps = 0
+        # one device per process (its first rank's first device): where the step's results live
+        leads = {}
+        for rank in ex.ranks:
+            leads.setdefault(rank.devices[0].process_index, rank.devices[0])
+        self.lead = leads[me]
+        self.mesh = Mesh(np.array([leads[p] for p in sorted(leads)]), ("process",))
+        self.replicated = NamedSharding(self.mesh, P())
+        self._stacked = NamedSharding(self.mesh, P("process"))
+        self._sum = jax.jit(lambda t: jax.tree.map(lambda a: a.sum(0), t), out_shardings=self.replicated)
+
+    # ---- values between processes ------------------------------------------------------------
+    def uuid(self, key) -> int:
+        kind, stage, mb = key
+        if stage >> _STAGE_BITS or mb >> _MB_BITS:
+            raise ValueError(f"stage {stage} or micro-batch {mb} too large for a transfer id")
+        step = self.steps & ((1 << _STEP_BITS) - 1)
+        packed = (((step << 1 | KIND_BITS[kind]) << _STAGE_BITS | stage) << _MB_BITS) | mb
+        return (self.nonce << (_STEP_BITS + 1 + _STAGE_BITS + _MB_BITS)) | packed
+
+    def remote_for(self, run):
+        """The ``remote`` of a step's :class:`~pdjax.pipeline.runtime.StepRun`: offers what
+        this process's ranks send to others, and puts a pull for each value they receive
+        from another process in the run's mailbox."""
+        return _StepLinks(self, run)
+
+    def run(self, run):
+        """Run this process's ranks of a step (``run``: a StepRun of them). Returns this
+        process's part of the loss (on its lead device; zero where it runs no last stage) and
+        the per-stage grads (None for the stages of other processes).
+
+        The step's transfers are all done before any device collective starts: on CPU a
+        device that waits in a collective does not serve a pull, so a process that went on to
+        the results' sum while its peer still pulled from it would hang both (measured)."""
+        name = f"pdjax/pipeline/{self.nonce}/{self.steps}"
+        # one start, one clock; a peer may still be compiling its first step (a dead one
+        # fails the barrier through the cluster's heartbeat)
+        store.barrier(name + "/start", max(self.ex.timeout_s, COMPILE_WAIT_S))
+        try:
+            run.drive()
+            jax.block_until_ready([a for a in run.acc if a is not None])   # every pull has landed
+            store.barrier(name + "/end", self.ex.timeout_s)
+        finally:
+            self.steps += 1
+        last = self.ex.schedule.layout.pipelines[0].stages[-1]
+        loss = jnp.zeros((), run.info[last].prog.y_shape.dtype, device=self.lead)
+        for m in sorted(run.losses):
+            loss = loss + jax.device_put(run.losses[m], self.lead)
+        if self.ex.measure:
+            self.gather_measurements(run)
+        return loss, run.acc
+
+    # ---- results --------------------------------------------------------------------------------
+    def place_leaf(self, a):
+        """A param leaf as a host or single-device value this process can place: a global
+        array's copy on this process (params replicated over :attr:`replicated`)."""
+        if isinstance(a, jax.Array) and not a.is_fully_addressable:
+            if not a.is_fully_replicated:
+                raise ValueError("params spanning processes must be replicated (e.g. over "
+                                 "Executor.replicated), got a leaf sharded as " + str(a.sharding))
+            return a.addressable_data(0)
+        return a
+
+    def combine(self, loss, partial_grads):
+        """The loss and gradients summed over the processes (each gives its part on its lead
+        device, zeros where it holds nothing), replicated over :attr:`replicated`."""
+        n = self.mesh.size
+
+        def stack(a):
+            a = jax.device_put(a, self.lead)[None]
+            return jax.make_array_from_single_device_arrays((n, *a.shape[1:]), self._stacked, [a])
+        return self._sum(jax.tree.map(stack, (loss, partial_grads)))
+
+    def gather_measurements(self, run):
+        """Every rank's op times, every process's peaks and per-stage bytes (collective)."""
+        ex = self.ex
+        sched = ex.schedule
+        base = 0.0 if self.one_host else run.t0
+        rows = []
+        for r, ops in enumerate(sched.ops):
+            here = r in self.local
+            starts = run.starts[r] + (run.t0 - base) * 1e3 if here else np.zeros(len(ops))
+            ends = run.ends[r] + (run.t0 - base) * 1e3 if here else np.zeros(len(ops))
+            rows.append(np.stack([starts, ends]))
+        flat = np.concatenate([x.ravel() for x in rows] + [run.peak] +
+                              [run.stage_memory[k] for k in ("F", "I", "I_free")])
+        total = np.asarray(multihost_utils.process_allgather(flat)).sum(axis=0)
+        pos = 0
+        for r, ops in enumerate(sched.ops):
+            k = len(ops)
+            run.starts[r], run.ends[r] = total[pos:pos + k].copy(), total[pos + k:pos + 2 * k].copy()
+            pos += 2 * k
+        run.peak = total[pos:pos + sched.num_ranks].copy()
+        pos += sched.num_ranks
+        for k in ("F", "I", "I_free"):
+            run.stage_memory[k] = total[pos:pos + sched.num_stages].copy()
+            pos += sched.num_stages
+
+
+
+def _offered(uuid: int) -> str:
+    return f"pdjax/pipeline/offered/{uuid}"
+
+
+class _Pull:
+    """A value of another process, pulled by the consuming rank when its op needs it and
+    its producer has offered it: in the rank's batch layout (the producer offers it in its
+    own rank's, the same split), then moved where the op's program reads it."""
+
+    def __init__(self, connection, uuid: int, spec, target, timeout_s: float):
+        self.connection, self.uuid, self.spec, self.target = connection, uuid, spec, target
+        self.timeout_s = timeout_s
+
+    def fetch(self):
+        key = _offered(self.uuid)
+        store.get(key, self.timeout_s)
+        store.delete(key)
+        (value,) = self.connection.pull(self.uuid, [self.spec])
+        return value if self.target == self.spec.sharding else jax.device_put(value, self.target)
+
+
+class _StepLinks:
+    def __init__(self, spanning: Spanning, run):
+        self.spanning, self.run = spanning, run
+        ex = spanning.ex
+        layout = ex.schedule.layout
+        ttl = datetime.timedelta(seconds=ex.timeout_s)
+        self.ttl = ttl
+        for s in range(ex.schedule.num_stages):   # values this process's stages receive from others
+            if not run.local_stage[s]:
+                continue
+            info = run.info[s]
+            for kind, src, spec in (("act", layout.prev_stage[s], info.x), ("grad", layout.next_stage[s], info.gy)):
+                if src is None or run.local_stage[src] or (kind == "act" and info.chunk.first) or \
+                        (kind == "grad" and info.chunk.last):
+                    continue
+                proc = ex.ranks[layout.stage_rank[src]].devices[0].process_index
+                rank = ex.ranks[layout.stage_rank[s]]
+                wire = jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=rank.batch(len(spec.shape)))
+                for m in self._microbatches(s):
+                    key = (kind, s, m)
+                    run.mail.put(key, _Pull(spanning.connections[proc], spanning.uuid(key), wire, spec.sharding,
+                                           ex.timeout_s))
+
+    def _microbatches(self, s: int):
+        for pipe in self.spanning.ex.schedule.layout.pipelines:
+            if s in pipe.stages:
+                return pipe.microbatches
+        return ()
+
+    def prepare(self, key, value):
+        """During the producing op: the value in the consumer's layout on this rank (a rank of
+        several devices splits the batch over them, as the consumer's does)."""
+        ex = self.spanning.ex
+        kind, stage, _ = key
+        src_stage = ex.schedule.layout.prev_stage[stage] if kind == "act" else ex.schedule.layout.next_stage[stage]
+        rank = ex.ranks[ex.schedule.layout.stage_rank[src_stage]]
+        want = rank.batch(value.ndim)
+        if value.sharding != want:
+            value = jax.device_put(value, want)
+        return key, value
+
+    def announce(self, handle):
+        """Once the producing op's end is recorded: offer the value to its consumer's pull."""
+        key, value = handle
+        uuid = self.spanning.uuid(key)
+        self.spanning.server.await_pull(uuid, [value], timeout=datetime.datetime.now() + self.ttl)
+        store.put(_offered(uuid), "1")

@@ -1,0 +1,44 @@
+"""What tests/pipeline/test_spanning.py launches: ``python pipeline_script.py SCHEDULE OUT``
+in each process of a 2-process launch. The executor's ranks (one device each) are split over
+the processes; process 0 saves the step's loss, grads and measurements to OUT (npz)."""
+
+import sys
+
+import jax
+import numpy as np
+
+import pdjax
+import pdjax.pipeline as pp
+from timeline_checks import check_dependencies
+
+RANKS, ROWS, T = 4, 1, 8
+MICROBATCHES = {"zb1p": 4, "dualpipe": 8, "1f1b": 4}
+
+
+def setup(name):
+    cfg = pdjax.configs.tiny(num_hidden_layers=4, first_k_dense_replace=2)
+    params = pdjax.init_params(cfg, jax.random.key(0))
+    m = MICROBATCHES[name]
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (m * ROWS, T), dtype=np.int32)
+    return cfg, params, pp.build(name, RANKS, m), tokens
+
+
+def main(name: str, out: str) -> None:
+    pdjax.cluster.initialize()
+    cfg, params, schedule, tokens = setup(name)
+    ex = pp.Executor(schedule, cfg, devices=jax.devices(), timeout_s=40)
+    params = jax.device_put(jax.tree.map(np.asarray, params), ex.replicated)
+    loss, grads = ex.step(params, tokens)
+    loss2, _ = ex.step(params, tokens)           # a second step: the transfers' ids move on
+    leaves = {f"g{i}": np.asarray(g) for i, g in enumerate(jax.tree.leaves(grads))}
+    if jax.process_index() == 0:
+        tl = ex.last_timeline
+        np.savez(out, loss=np.asarray(loss), loss2=np.asarray(loss2), memory=ex.last_memory,
+                 stage_F=ex.stage_memory["F"], stage_I=ex.stage_memory["I"], stage_I_free=ex.stage_memory["I_free"],
+                 starts=np.concatenate(tl.starts), ends=np.concatenate(tl.ends),
+                 deps=check_dependencies(tl), local=np.array(sorted(ex.local_ranks)), **leaves)
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
