@@ -15,6 +15,12 @@ With ``checkpoint_dir`` the run is resumable: it saves the whole :class:`TrainSt
 orbax (every ``checkpoint_every`` steps and at the end), and a later call with the same
 directory restores the latest checkpoint and goes on until ``steps`` steps are done in all.
 A resumed run computes exactly what an uninterrupted one does (same batches, same keys).
+
+Across processes (a ``pdjax launch``, every process calling ``train`` alike with
+``devices`` spanning them): the ranks run where their devices are, the state is replicated
+over one device per process (:attr:`Executor.replicated`), every process writes its part of
+a checkpoint (the directory must be shared), and a checkpoint resumes with another process
+count (placed like the new run's fresh state).
 """
 
 from __future__ import annotations
@@ -91,7 +97,7 @@ def train(cfg: ModelConfig, schedule, data, optimizer=None, steps: int = 20, *, 
         ex.check_params(params)
     manager = None if checkpoint_dir is None else _manager(checkpoint_dir)
     try:
-        state = _initial_state(cfg, optimizer, params, seed)
+        state = _initial_state(cfg, optimizer, params, seed, ex.replicated)
         if manager is not None and manager.latest_step() is not None:
             state = _restore(manager, state)
         if state.step >= steps:
@@ -165,8 +171,11 @@ def _batch(data, position: int, key, shape):
 
 # ---- state ------------------------------------------------------------------------------------
 
-def _initial_state(cfg, optimizer, params, seed: int) -> TrainState:
-    """Step 0: the params (own copies, since updates donate them), fresh optimizer state."""
+def _initial_state(cfg, optimizer, params, seed: int, where=None) -> TrainState:
+    """Step 0: the params (own copies, since updates donate them), fresh optimizer state.
+    ``where``: a sharding every process of a launch holds a copy on (the executor's
+    :attr:`~pdjax.pipeline.Executor.replicated` when its ranks span processes): the params,
+    the optimizer state and the rng go there, so the update and the checkpoints are global."""
     key = jax.random.key(seed)
     if params is None:
         from pdjax.model.transformer import init_params
@@ -174,8 +183,12 @@ def _initial_state(cfg, optimizer, params, seed: int) -> TrainState:
         params = init_params(cfg, key)
     else:
         params = jax.tree.map(lambda a: a.copy(), params)
-    return TrainState(params=params, opt_state=optimizer.init(params), step=0, data_position=0,
-                      rng=jax.random.fold_in(key, 1), losses=[])
+    rng, opt_state = jax.random.fold_in(key, 1), optimizer.init(params)
+    if where is not None:      # the same values in every process: placed from the host
+        params, opt_state = jax.device_put(jax.tree.map(np.asarray, (params, opt_state)), where)
+        rng = jax.random.wrap_key_data(jax.device_put(np.asarray(jax.random.key_data(rng)), where),
+                                       impl=jax.random.key_impl(rng))
+    return TrainState(params=params, opt_state=opt_state, step=0, data_position=0, rng=rng, losses=[])
 
 
 def _loop(ex, optimizer, data, state: TrainState, steps: int, manager, every) -> TrainState:

@@ -2,7 +2,8 @@
 processes x 2 CPU devices, a rank per device; pdjax.cluster.launch): a training step of
 ``zb1p`` and ``dualpipe`` equals jax.value_and_grad of the unsplit model, activations and
 gradients cross the process boundary with the schedule's own sends, the timeline holds on
-one clock, and the measured peak bytes per rank are simulate()'s."""
+one clock, and the measured peak bytes per rank are simulate()'s; pipeline.train resumes its
+orbax checkpoint with another process count."""
 
 import io
 import os
@@ -16,8 +17,10 @@ import pdjax.pipeline as pp
 from pdjax.cluster import launch
 
 import spanning_script as script
+import train_script
 
 SCRIPT = os.path.abspath(script.__file__)
+TRAIN = os.path.abspath(train_script.__file__)
 
 
 @pytest.mark.parametrize("name", ["zb1p", "dualpipe"])
@@ -41,3 +44,25 @@ def test_step_with_ranks_in_two_processes_equals_value_and_grad(name, tmp_path):
     memory = {"F": got["stage_F"], "I": got["stage_I"], "I_free": got["stage_I_free"]}
     np.testing.assert_array_equal(got["memory"], pp.simulate(schedule, memory=memory).peak_memory)
     assert np.all(got["memory"] > 0)
+
+
+def _train_launched(steps, checkpoint_dir, out):
+    launch([sys.executable, TRAIN, str(steps), str(checkpoint_dir), str(out)], 2, 2, timeout_s=120,
+           stream=io.StringIO())
+    return list(np.load(out))
+
+
+def test_training_resumes_with_another_process_count(tmp_path):
+    """pipeline.train with its ranks in 2 processes writes an orbax checkpoint that resumes in
+    1 process, and a 1-process checkpoint resumes in 2: both loss curves equal the
+    uninterrupted 1-process run's, exactly."""
+    half, total = train_script.TOTAL // 2, train_script.TOTAL
+    devices = jax.devices()[:train_script.RANKS]
+    whole = train_script.run(total, None, devices).losses
+    two_then_one = tmp_path / "a"
+    first = _train_launched(half, two_then_one, tmp_path / "a.npy")
+    assert first == whole[:half]
+    assert train_script.run(total, str(two_then_one), devices).losses == whole
+    one_then_two = tmp_path / "b"
+    assert train_script.run(half, str(one_then_two), devices).losses == whole[:half]
+    assert _train_launched(total, one_then_two, tmp_path / "b.npy") == whole
