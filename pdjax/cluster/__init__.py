@@ -7,10 +7,13 @@ first.
     pdjax.cluster.initialize()
     mesh = pdjax.parallel.make_mesh({"data": 2, "expert": 4})     # over every process's devices
 
-:func:`launch` is the same launcher from Python. See docs/cluster.md.
+:func:`launch` is the same launcher from Python; :class:`Supervisor` the process handling
+under it and under the PD servers (start, ready line, kill, restart, tail, close). See
+docs/cluster.md.
 """
 
 from pdjax.cluster.launch import LaunchError, launch
 from pdjax.cluster.process import ClusterSpec, cluster_spec, initialize
+from pdjax.cluster.supervisor import Supervisor
 
-__all__ = ["ClusterSpec", "LaunchError", "cluster_spec", "initialize", "launch"]
+__all__ = ["ClusterSpec", "LaunchError", "Supervisor", "cluster_spec", "initialize", "launch"]

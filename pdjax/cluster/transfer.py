@@ -11,7 +11,10 @@ sharding). No host pickling, no copy through the control socket.
 Control plane: :class:`Control`, length-prefixed JSON over a TCP socket (4-byte big-endian
 length, then UTF-8 JSON). A layer is announced with
 ``{"op": "layer", "request": i, "layer": l, "uuid": u, "shape": [T, C+R], "dtype": "float32",
-"nbytes": T * (C+R) * itemsize}`` after it has been offered, so the pull never waits for it.
+"nbytes": T * (C+R) * itemsize, "layout": {...}}`` after it has been offered, so the pull never
+waits for it. The receiver refuses a pull whose target sharding lays the array out other than
+the announced ``layout`` (jax.experimental.transfer would return wrong data silently) and puts
+a deadline of its own on every pull (jax's pull timeout does not fire).
 
 Everything listens on 127.0.0.1 by default (``listen(host)``, ``start_transfer_server(host=)``
 for another interface) with port 0 (a random free port the OS picks).
@@ -140,6 +143,39 @@ def single_device(rows: jax.Array) -> jax.Array:
     return jax.device_put(rows, rows.addressable_shards[0].device)
 
 
+def layout(sharding: jax.sharding.Sharding, shape) -> dict:
+    """How an array of ``shape`` lies on ``sharding``'s devices, as
+    ``jax.experimental.transfer`` moves it (shard by shard, in the sharding's device order):
+    ``devices`` (how many), ``shards`` (each device's [start, stop] per dimension, in that
+    order), ``shard_shape``, and ``spec`` (the partition spec, for messages). JSON-able."""
+    shape = tuple(int(d) for d in shape)
+    index = sharding.addressable_devices_indices_map(shape)
+    shards = [[list(sl.indices(n))[:2] for sl, n in zip(ix, shape)] for ix in index.values()]
+    spec = getattr(sharding, "spec", None)
+    return {"devices": len(index), "shards": shards, "shard_shape": list(sharding.shard_shape(shape)),
+            "spec": "replicated" if spec is None else str(spec)}
+
+
+def _same_layout(a: dict, b: dict) -> bool:
+    return all(a.get(k) == b.get(k) for k in ("devices", "shards", "shard_shape"))
+
+
+def check_layout(sent: dict | None, sharding: jax.sharding.Sharding, shape, uuid: int, dtype="") -> None:
+    """Refuse (ValueError naming both) to pull the array announced with layout ``sent`` into
+    ``sharding``, when the two lay it out differently: jax.experimental.transfer would move
+    the shards anyway and return wrong data silently."""
+    if sent is None:
+        raise ValueError(f"pull of uuid {uuid}: the descriptor announces no layout; refusing to pull blind")
+    want = layout(sharding, shape)
+    if not _same_layout(sent, want):
+        raise ValueError(f"pull of uuid {uuid} {tuple(shape)} {dtype}: the target sharding ({_layout_text(want)}) "
+                         f"differs from the sender's ({_layout_text(sent)}); refusing to pull")
+
+
+def _layout_text(lay: dict) -> str:
+    return f"{lay['devices']} device(s), spec {lay['spec']}, shard shape {tuple(lay['shard_shape'])}"
+
+
 class ArraySender:
     """The sending end (prefill): ``offer(rows)`` makes ``rows`` pullable once under a fresh
     uuid and returns the descriptor to announce over the control plane. An offer not pulled
@@ -154,46 +190,61 @@ class ArraySender:
         self.bytes_offered = 0
         self.offers = 0
 
-    def offer(self, rows: jax.Array) -> dict:
-        """Offer one array; returns ``{"uuid", "shape", "dtype", "nbytes"}`` (nbytes = the
-        array's bytes: elements x itemsize, exactly what the pull moves)."""
-        rows = single_device(rows)
+    def offer(self, rows: jax.Array, gather: bool = True) -> dict:
+        """Offer one array (``gather``: as one device's copy, :func:`single_device`; False: as
+        it lies, every shard). Returns the descriptor ``{"uuid", "shape", "dtype", "nbytes",
+        "layout"}``: nbytes = the array's bytes (elements x itemsize, what a one-device pull
+        moves), layout = :func:`layout` of the offered array (the receiver checks it)."""
+        rows = single_device(rows) if gather else rows
         uuid = next(self._ids)
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=self.ttl_s)
         self.server.await_pull(uuid, [rows], timeout=deadline)
         nbytes = int(rows.size) * rows.dtype.itemsize
         self.bytes_offered += nbytes
         self.offers += 1
-        return {"uuid": uuid, "shape": list(rows.shape), "dtype": str(rows.dtype), "nbytes": nbytes}
+        return {"uuid": uuid, "shape": list(rows.shape), "dtype": str(rows.dtype), "nbytes": nbytes,
+                "layout": layout(rows.sharding, rows.shape)}
 
 
 class ArrayReceiver:
-    """The receiving end (decode): ``pull(desc, device)`` fetches an offered array onto
-    ``device``. Counts the bytes and the seconds spent in pulls (link throughput)."""
+    """The receiving end (decode): ``pull(desc, target)`` fetches an offered array onto a
+    device or a sharding. Every pull has a deadline (``timeout_s``; jax's own pull timeout
+    does not fire). Counts the bytes and the seconds spent in pulls (link throughput)."""
 
-    def __init__(self, sender_address: str, server: jax_transfer.TransferServer | None = None):
+    def __init__(self, sender_address: str, server: jax_transfer.TransferServer | None = None,
+                 timeout_s: float = 60.0):
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         self.server = server or start_transfer_server()
         self.connection = self.server.connect(sender_address)
+        self.timeout_s = timeout_s
         self.bytes_received = 0
         self.pull_seconds = 0.0
         self.pulls = 0
 
-    def pull(self, desc: dict, device) -> jax.Array:
-        """The offered array on ``device``. A link that breaks mid-pull (the sender's process
-        died) raises ConnectionError, as a broken control connection does, so the reader
-        treats it as the sender lost (jax raises a JaxRuntimeError)."""
-        spec = jax.ShapeDtypeStruct(tuple(desc["shape"]), jnp.dtype(desc["dtype"]),
-                                    sharding=jax.sharding.SingleDeviceSharding(device))
+    def pull(self, desc: dict, target, timeout_s: float | None = None) -> jax.Array:
+        """The offered array on ``target`` (a device, or a sharding of the announced layout).
+
+        Refused before pulling (ValueError naming both layouts) when ``target`` lays the array
+        out other than the sender did (``desc["layout"]``; jax would return wrong data
+        silently) or the descriptor has no layout. Past ``timeout_s`` (default the receiver's)
+        raises TimeoutError naming the uuid. A link that breaks mid-pull (the sender's process
+        died) raises ConnectionError, as a broken control connection does, so a reader treats
+        it as the sender lost (jax raises a JaxRuntimeError)."""
+        uuid, shape = int(desc["uuid"]), tuple(desc["shape"])
+        sharding = target if isinstance(target, jax.sharding.Sharding) else jax.sharding.SingleDeviceSharding(target)
+        check_layout(desc.get("layout"), sharding, shape, uuid, desc["dtype"])
+        spec = jax.ShapeDtypeStruct(shape, jnp.dtype(desc["dtype"]), sharding=sharding)
         t0 = time.perf_counter()
         try:
-            (rows,) = self.connection.pull(int(desc["uuid"]), [spec])
-            rows.block_until_ready()
+            (rows,) = self.connection.pull(uuid, [spec])
+            wait_pulled(rows, uuid, self.timeout_s if timeout_s is None else timeout_s)
         except jax.errors.JaxRuntimeError as e:
-            raise ConnectionError(f"pull of uuid {desc['uuid']} failed: {e}") from e
+            raise ConnectionError(f"pull of uuid {uuid} failed: {e}") from e
         self.pull_seconds += time.perf_counter() - t0
         nbytes = int(rows.size) * rows.dtype.itemsize
         if nbytes != desc["nbytes"]:
-            raise ValueError(f"pulled {nbytes} bytes for uuid {desc['uuid']}, announced {desc['nbytes']}")
+            raise ValueError(f"pulled {nbytes} bytes for uuid {uuid}, announced {desc['nbytes']}")
         self.bytes_received += nbytes
         self.pulls += 1
         return rows
@@ -201,3 +252,17 @@ class ArrayReceiver:
     @property
     def throughput_Bps(self) -> float:
         return self.bytes_received / self.pull_seconds if self.pull_seconds > 0 else 0.0
+
+
+def wait_pulled(rows: jax.Array, uuid: int, timeout_s: float) -> None:
+    """Block until the pulled ``rows`` arrived, at most ``timeout_s`` seconds (the pull
+    returns an array future at once; polled with a backoff from 0.2 ms to 20 ms)."""
+    deadline = time.monotonic() + timeout_s
+    pause = 0.0002
+    while not rows.is_ready():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"pull of uuid {uuid} not complete after {timeout_s:g} s "
+                               "(the offer never came, or the link stalled)")
+        time.sleep(pause)
+        pause = min(2 * pause, 0.02)
+    rows.block_until_ready()

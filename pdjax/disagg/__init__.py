@@ -1,6 +1,7 @@
 """Prefill/decode disaggregation on real meshes: PDEngine, ColocatedEngine, AFDEngine
 (attention-FFN disaggregated decode), the paged decode pool, the layer-wise latent-KV
-handoff, and two-process serving (launch_two_process), all driving one decode scheduler
+handoff, and serving across processes (launch_pd: one prefill and several decode processes
+behind one router; launch_two_process: one of each), all driving one decode scheduler
 (DecodeScheduler, a state machine of typed events and actions) over a pluggable KV link
 (DevicePutLink in one process, TransferLink across processes).
 
@@ -9,11 +10,11 @@ simulator is :mod:`pdjax.prefix_index`."""
 
 from pdjax.disagg.afd import AFDEngine
 from pdjax.disagg.engine import ColocatedEngine, PDEngine
-from pdjax.disagg.launcher import TwoProcessServer, launch_two_process
+from pdjax.disagg.launcher import PDCluster, TwoProcessServer, launch_pd, launch_two_process
 from pdjax.disagg.link import Chunk, DevicePutLink
 from pdjax.disagg.request import Request, RequestError, SamplingParams
 from pdjax.disagg.scheduler import DecodeScheduler
 from pdjax.disagg.link import TransferLink
 
-__all__ = ["AFDEngine", "Chunk", "ColocatedEngine", "DecodeScheduler", "DevicePutLink", "PDEngine", "Request", "RequestError",
-           "SamplingParams", "TransferLink", "TwoProcessServer", "launch_two_process"]
+__all__ = ["AFDEngine", "Chunk", "ColocatedEngine", "DecodeScheduler", "DevicePutLink", "PDCluster", "PDEngine", "Request",
+           "RequestError", "SamplingParams", "TransferLink", "TwoProcessServer", "launch_pd", "launch_two_process"]

@@ -18,7 +18,9 @@ Client messages: ``hello{prefill}``, ``generate{request, prompt, max_new_tokens,
 stop_tokens[, handoff_timeout_s, prefix_cache, retention]}``, ``prefill{address}``,
 ``stats``, ``shutdown``; to the client: ``token{request, token}``, ``done{request, tokens |
 error, kv_bytes, prefill_attempts, handoff_timeouts, prefix_hit_tokens, prefix_errors}``,
-``stats{...}``, ``prefill_lost``.
+``stats{...}``, ``prefill_lost{why, address}`` (the address of the prefill process lost; a
+``prefill{address}`` while connected replaces the connection, failing what was sent there).
+Everything binds to ``host`` (default loopback); each pull has a deadline (``pull_timeout_s``).
 """
 
 from __future__ import annotations
@@ -29,29 +31,31 @@ import threading
 
 import jax
 
-from pdjax.disagg.children import announce_ready
+from pdjax.cluster.supervisor import announce_ready
 from pdjax.disagg.decode import DecodePool
 from pdjax.disagg.link import checksum
 from pdjax.disagg.loop import DecodeLoop
-from pdjax.disagg.prefill_server import mesh_devices
+from pdjax.disagg.prefill_server import mesh_devices, ready_info
 from pdjax.disagg.request import Clock, Request, RequestError, SamplingParams, validate_request
 from pdjax.disagg.scheduler import (CancelPrefill, DecodeScheduler, Failed, Finished, LayerArrived, StartPrefill,
                                     Submit, Token)
-from pdjax.cluster.transfer import ArrayReceiver, Control, listen, start_transfer_server
+from pdjax.cluster.transfer import LOOPBACK, ArrayReceiver, Control, listen, start_transfer_server
 from pdjax.disagg.link import TransferLink
 from pdjax.disagg.wire import PrefillJob, event_from_wire
 
 
 class DecodeServer:
     def __init__(self, params, cfg, mesh_axes: dict, *, slots: int, block_size: int, max_context: int,
-                 num_blocks: int | None = None, max_prefill_attempts: int = 3, handoff_timeout_s: float = 30.0):
+                 num_blocks: int | None = None, max_prefill_attempts: int = 3, handoff_timeout_s: float = 30.0,
+                 pull_timeout_s: float = 60.0, host: str = LOOPBACK):
         if not handoff_timeout_s > 0:
             raise ValueError(f"handoff_timeout_s must be > 0, got {handoff_timeout_s}")
         self.cfg, self.max_context, self.handoff_timeout_s = cfg, max_context, handoff_timeout_s
         self.pool = DecodePool(params, cfg, mesh_devices(mesh_axes), mesh_axes, slots=slots,
                                block_size=block_size, max_context=max_context, num_blocks=num_blocks)
-        self.server = start_transfer_server(jax.local_devices())
-        self.listener = listen()
+        self.server = start_transfer_server(jax.local_devices(), host)
+        self.listener = listen(host)
+        self.pull_timeout_s = pull_timeout_s
         self.clock = Clock()
         self.sched = DecodeScheduler(self.pool, max_prefill_attempts=max_prefill_attempts,
                                      handoff_timeout_s=handoff_timeout_s, checksum=checksum)
@@ -60,42 +64,55 @@ class DecodeServer:
         self.prefill: Control | None = None     # None: the prefill process is gone, jobs wait
         self.client: Control | None = None
         self.unsent: list = []                  # prefill jobs waiting for a prefill process
+        self.prefill_address: str | None = None
         self._generation = 0
 
     def serve_forever(self) -> None:
-        announce_ready("decode", self.listener, self.server.address())
+        announce_ready(ready_info("decode", self.listener, self.server.address()))
         sock, _ = self.listener.accept()
         self.client = Control(sock)
         hello = self.client.recv()
         if not hello or hello.get("op") != "hello":
             raise ConnectionError(f"expected hello from the client, got {hello!r}")
-        self._connect_prefill(hello["prefill"])
+        self._connect_prefill(hello["prefill"], self.loop)
         threading.Thread(target=self._read_client, daemon=True).start()
         self.loop.run(until=lambda: False)
 
     # ---- the prefill connection -----------------------------------------------------------
-    def _connect_prefill(self, address: str) -> None:
+    def _connect_prefill(self, address: str, loop: DecodeLoop) -> None:
+        old = self.prefill
+        if old is not None:                       # replaced: what was sent there is lost with it
+            self._prefill_lost(self._generation, "was replaced", loop)
+            old.close()
         ctl = Control.connect(address)
         hello = ctl.recv()
         if not hello or hello.get("op") != "hello":
             raise ConnectionError(f"expected hello from the prefill process, got {hello!r}")
-        self.link = TransferLink(receiver=ArrayReceiver(hello["transfer_address"], self.server))
+        receiver = ArrayReceiver(hello["transfer_address"], self.server, timeout_s=self.pull_timeout_s)
+        self.link = TransferLink(receiver=receiver)
         self._generation += 1
-        self.prefill = ctl
+        self.prefill, self.prefill_address = ctl, address
         threading.Thread(target=self._read_prefill, args=(ctl, self.link, self._generation), daemon=True).start()
         for msg in self.unsent:
             ctl.send(msg)
         self.unsent = []
 
     def _read_prefill(self, ctl: Control, link: TransferLink, generation: int) -> None:
-        """Prefill messages in order, as scheduler events on the loop's inbox."""
+        """Prefill messages in order, as scheduler events on the loop's inbox. A pull that
+        fails alone (past its deadline, a layout or size other than announced) fails its
+        attempt, which is cancelled and prefilled again; a broken link is the prefill lost."""
         try:
             while (msg := ctl.recv()) is not None:
                 event = event_from_wire(msg, self.clock.now())
                 if isinstance(event, LayerArrived):      # pulled only for the current attempt
                     a = self.sched.attempts.get(event.request)
-                    rows = link.receive(event.rows, self.pool.target_device(a.res)) if self._current(msg) else None
-                    event = dataclasses.replace(event, rows=rows)
+                    try:
+                        rows = link.receive(event.rows, self.pool.target_device(a.res)) if self._current(msg) else None
+                    except (TimeoutError, ValueError) as e:
+                        ctl.send({"op": "cancel", "request": event.request, "attempt": event.attempt})
+                        event = Failed(event.request, event.attempt, f"{type(e).__name__}: {e}", self.clock.now())
+                    else:
+                        event = dataclasses.replace(event, rows=rows)
                 self.loop.post(event)
             why = "closed its control connection"
         except (OSError, ValueError) as e:
@@ -109,7 +126,8 @@ class DecodeServer:
         for a in list(self.sched.attempts.values()):      # queued or running there: lost with it
             loop.handle(Failed(a.request.index, a.number, f"the prefill process {why}", self.clock.now()))
         self.unsent = [m for m in self.unsent if m["op"] == "prefill" and self._current(m)]   # its retries only
-        self.client.send({"op": "prefill_lost", "why": why})
+        if why != "was replaced":
+            self.client.send({"op": "prefill_lost", "why": why, "address": self.prefill_address})
 
     def _current(self, msg: dict) -> bool:
         a = self.sched.attempts.get(msg["request"])
@@ -129,7 +147,7 @@ class DecodeServer:
         if op == "shutdown":
             loop.stopped = True
         elif op == "prefill":
-            self._connect_prefill(msg["address"])
+            self._connect_prefill(msg["address"], loop)
         elif op == "stats":
             r = self.link.receiver
             self.client.send({"op": "stats", "kv_bytes_received": r.bytes_received, "pulls": r.pulls,

@@ -1,300 +1,329 @@
-"""The client and launcher of the two-process PD server (:mod:`pdjax.disagg.serve`).
+"""The client and launcher of PD serving across processes (:mod:`pdjax.disagg.serve`): one
+prefill process and one or more decode processes behind one router.
 
-:class:`TwoProcessServer` (``launch_two_process``) starts the prefill and the decode role as
-subprocesses (``python -m pdjax serve --role ...``, random free loopback ports reported on a
-``PDJAX_SERVE_READY`` line), sends requests to decode and collects tokens. If the decode
-process dies, it is restarted and the unfinished requests are re-issued (tokens already
-streamed are not streamed again). If the prefill process dies, decode fails its attempts in
-flight and says so (``prefill_lost``); the launcher restarts it and gives decode its
-address, and decode prefills those requests again. Children are killed with SIGKILL (jax
-catches SIGTERM) and exit by themselves when the launcher's stdin pipe closes.
+:class:`PDCluster` (``launch_pd``; ``TwoProcessServer`` / ``launch_two_process`` are its
+one-decode case) starts the roles as subprocesses (``python -m pdjax serve --role ...``) on
+one :class:`~pdjax.cluster.supervisor.Supervisor`, each reporting its control and transfer
+addresses on a ready line. The client connects to every decode instance and sends each
+request to one of them (:mod:`pdjax.disagg.router`: least loaded by default); every decode
+instance pulls its requests' KV from the prefill process over ``jax.experimental.transfer``.
+
+Failures: a decode instance that dies (its control connection ends) is restarted in the
+background, and its unfinished requests are re-issued at once to the live instance the
+router picks (with one instance: to its restart); tokens already streamed are not streamed
+again. If the prefill process dies, each decode instance fails its attempts in flight and
+says so (``prefill_lost``); the client restarts the prefill process once and gives every
+decode instance its address, and they prefill those requests again. Processes are killed
+with SIGKILL (jax catches SIGTERM) and exit by themselves when the client's process ends.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import queue
-import shutil
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 
-from pdjax.disagg.children import READY, child_env, file_tail
+from pdjax.arguments import check_int
+from pdjax.cluster.supervisor import LaunchError, Supervisor, device_environ
+from pdjax.cluster.transfer import LOOPBACK, Control
 from pdjax.disagg.request import RequestError, SamplingParams
-from pdjax.cluster.transfer import Control
+from pdjax.disagg.router import Router, Tracked, least_loaded
+
+PREFILL = 0                     # the prefill process's index on the supervisor; decode k is k + 1
 
 
 def _per_request(value, n: int) -> list:
     return list(value) if isinstance(value, (list, tuple)) else [value] * n
 
 
-class TwoProcessServer:
-    """Starts a prefill and a decode process (``pdjax serve``), each with ``*_devices`` CPU
-    devices, and serves requests through them. ``generate`` has the PDEngine interface
-    (token lists in request order, a :class:`RequestError` in place of a bad request).
+class PDCluster:
+    """Starts a prefill process and ``num_decode`` decode processes (``pdjax serve``), with
+    ``prefill_devices`` and ``decode_devices`` CPU devices each, and serves requests through
+    them. ``generate`` has the PDEngine interface (token lists in request order, a
+    :class:`RequestError` in place of a bad request).
 
     ``prefix_cache``: False (default), True or a dict of :class:`~pdjax.disagg.prefix_store.
-    PrefixStore` options (``device_blocks``, ``host_blocks``, ``disk_blocks``, ``disk_dir``,
-    ``retention``; defaults 0 device and 256 host blocks, as ``PDEngine(prefix_cache=...)``):
-    a prefix KV store in the prefill process, blocks of ``block_size`` tokens.
-    ``handoff_timeout_s``: decode's deadline for a prefill attempt without progress; the
-    reservation is then cancelled and the request re-prefilled (``max_prefill_attempts``).
-    ``env``: extra environment for both children (e.g. ``JAX_DEFAULT_MATMUL_PRECISION``).
-    ``serve_command``: the command that starts a role, followed by ``--role ROLE`` and its
-    options (default ``python -m pdjax serve``; the fault tests start their own entry point).
+    PrefixStore` options (defaults 0 device and 256 host blocks, as ``PDEngine``): a prefix
+    KV store in the prefill process, blocks of ``block_size`` tokens. ``handoff_timeout_s``:
+    a decode instance's deadline for a prefill attempt without progress (then re-prefilled,
+    ``max_prefill_attempts``); ``pull_timeout_s``: its deadline on each KV pull. ``host``:
+    the address every role's control listener and transfer server bind to (default
+    loopback). ``router``: the routing policy ``policy(loads) -> instance``
+    (:func:`~pdjax.disagg.router.least_loaded`). ``env``: extra environment for every
+    process; ``serve_command``: the command that starts a role, followed by ``--role ROLE``
+    and its options (default ``python -m pdjax serve``); ``stream``: where the processes'
+    output goes, prefixed with their names (None: kept for ``log_tail`` only).
 
-    ``stats`` after ``generate``: per request (ttft seconds as seen by the client, kv_bytes
-    received by decode, prefill_attempts, handoff_timeouts, prefix_hit_tokens,
-    prefix_errors, reissued), totals ``kv_bytes_received``, ``decode_restarts``,
-    ``prefill_restarts`` and the decode process's counters since it started (``link``:
-    bytes, pulls, seconds spent in pulls, link_throughput_Bps = bytes / pull seconds,
-    handoff_timeouts, stale_messages, corrupt_payloads)."""
+    Process names: ``"prefill"``, ``"decode0"``, ``"decode1"``, ... (``"decode"`` =
+    ``"decode0"``): ``pid(name)``, ``kill(name)`` (SIGKILL; the cluster recovers as from a
+    crash), ``log_tail(name)``. ``stats`` after ``generate``: per request (index, instance
+    that finished it, ttft seconds as seen by the client, kv_bytes_received, prefill_attempts,
+    handoff_timeouts, prefix_hit_tokens, prefix_errors, reissued), totals
+    ``kv_bytes_received``, ``served`` (requests finished per instance), ``decode_restarts``,
+    ``prefill_restarts``, ``link`` (the decode instances' counters since they started,
+    summed: bytes, pulls, seconds in pulls, link_throughput_Bps, handoff_timeouts,
+    stale_messages, corrupt_payloads) and ``instances`` (each one's counters)."""
 
-    def __init__(self, preset: str = "tiny", seed: int = 0, *, prefill_mesh: dict | None = None,
-                 decode_mesh: dict | None = None, prefill_devices: int = 4, decode_devices: int = 4,
-                 block_size: int = 16, max_decode_slots: int = 4, max_context: int | None = None,
-                 num_blocks: int | None = None, prefix_cache: bool | dict = False,
-                 handoff_timeout_s: float = 30.0, max_prefill_attempts: int = 3,
-                 env: dict | None = None, startup_timeout: float = 120.0, serve_command=None):
+    def __init__(self, preset: str = "tiny", seed: int = 0, *, num_decode: int = 1,
+                 prefill_mesh: dict | None = None, decode_mesh: dict | None = None, prefill_devices: int = 4,
+                 decode_devices: int = 4, block_size: int = 16, max_decode_slots: int = 4,
+                 max_context: int | None = None, num_blocks: int | None = None, prefix_cache: bool | dict = False,
+                 handoff_timeout_s: float = 30.0, max_prefill_attempts: int = 3, pull_timeout_s: float = 60.0,
+                 host: str = LOOPBACK, router=least_loaded, env: dict | None = None,
+                 startup_timeout: float = 120.0, serve_command=None, stream=None):
+        self.num_decode = check_int("num_decode", num_decode)
         self.startup_timeout = startup_timeout
-        self._log_dir = tempfile.mkdtemp(prefix="pdjax-serve-")
-        common = ["--preset", preset, "--seed", str(seed), "--block-size", str(block_size)]
+        self.names = ["prefill"] + [f"decode{k}" for k in range(num_decode)]
+        common = ["--preset", preset, "--seed", str(seed), "--block-size", str(block_size), "--host", host]
         store = {} if prefix_cache is True else prefix_cache
-        self._argv = {
-            "prefill": common + ["--mesh", json.dumps(prefill_mesh or {"expert": prefill_devices})]
-            + (["--prefix-cache", json.dumps(store)] if store is not False and store is not None else []),
-            "decode": common + ["--mesh", json.dumps(decode_mesh or {"expert": decode_devices}),
-                                "--slots", str(max_decode_slots), "--handoff-timeout", str(handoff_timeout_s),
-                                "--max-prefill-attempts", str(max_prefill_attempts)]
-            + (["--max-context", str(max_context)] if max_context else [])
-            + (["--num-blocks", str(num_blocks)] if num_blocks else []),
-        }
-        self._devices = {"prefill": prefill_devices, "decode": decode_devices}
-        self._env = dict(env or {})
-        self._serve = list(serve_command or [sys.executable, "-m", "pdjax", "serve"])
-        self.procs: dict = {}
-        self._decode_ctl: Control | None = None
+        prefill = common + ["--mesh", json.dumps(prefill_mesh or {"expert": prefill_devices})] + (
+            ["--prefix-cache", json.dumps(store)] if store is not False and store is not None else [])
+        decode = common + ["--mesh", json.dumps(decode_mesh or {"expert": decode_devices}),
+                           "--slots", str(max_decode_slots), "--handoff-timeout", str(handoff_timeout_s),
+                           "--max-prefill-attempts", str(max_prefill_attempts), "--pull-timeout", str(pull_timeout_s)]
+        decode += (["--max-context", str(max_context)] if max_context else []) + (
+            ["--num-blocks", str(num_blocks)] if num_blocks else [])
+        serve = list(serve_command or [sys.executable, "-m", "pdjax", "serve"])
+        self.procs = Supervisor(stream=stream, tail_lines=400)
+        self.router = Router(num_decode, router)
+        self._ctl: list = [None] * num_decode
+        self._gen = [0] * num_decode
         self._events: queue.Queue = queue.Queue()
-        self._generation = 0
-        self._next_id = 0
         self.decode_restarts = self.prefill_restarts = 0
         self.stats: dict = {}
         try:
-            self._spawn("prefill")
-            self._spawn("decode")                     # both start (import, params, pools) at once
-            self.prefill_info = self._wait_ready("prefill")
-            self._connect_decode()
+            for name in self.names:                       # every role starts (imports, params, pools) at once
+                role, devices = ("prefill", prefill_devices) if name == "prefill" else ("decode", decode_devices)
+                self.procs.start([*serve, "--role", role, *(prefill if role == "prefill" else decode)],
+                                 device_environ(devices, env), name=name, prefix=f"[{name}]", orphan_pipe=True)
+            self.prefill_info = self.procs.wait_ready(PREFILL, startup_timeout)
+            for k in range(num_decode):
+                self._connect(k, self.procs.wait_ready(k + 1, startup_timeout))
         except BaseException:
             self.close()
             raise
 
     # ---- processes -----------------------------------------------------------------------
-    def _spawn(self, role: str) -> None:
-        env = child_env(self._devices[role], self._env)
-        log = open(os.path.join(self._log_dir, f"{role}.log"), "ab")
-        proc = subprocess.Popen([*self._serve, "--role", role, *self._argv[role]],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env)
-        log.close()
-        lines: queue.Queue = queue.Queue()
+    def _index(self, name: str) -> int:
+        name = "decode0" if name == "decode" else name
+        if name not in self.names:
+            raise ValueError(f"no process {name!r}; the processes are {self.names}")
+        return self.names.index(name)
 
-        def read_stdout():
-            for line in proc.stdout:
-                lines.put(line.decode(errors="replace"))
-            lines.put(None)
-        threading.Thread(target=read_stdout, daemon=True).start()
-        self.procs[role] = (proc, lines)
+    def pid(self, name: str) -> int:
+        return self.procs.pid(self._index(name))
 
-    def _wait_ready(self, role: str) -> dict:
-        proc, lines = self.procs[role]
-        deadline = time.monotonic() + self.startup_timeout
-        while True:
-            try:
-                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                line = None
-            if line is None:
-                self._kill(role)
-                raise RuntimeError(f"the {role} process did not start (exit code {proc.poll()}); "
-                                   f"log tail:\n{self.log_tail(role)}")
-            if line.startswith(READY):
-                return json.loads(line[len(READY):])
+    def kill(self, name: str) -> None:
+        """SIGKILL process ``name`` (a test's crash); the cluster recovers as from any death."""
+        self.procs.kill(self._index(name), wait=False)
 
-    def _connect_decode(self) -> None:
-        info = self._wait_ready("decode")
+    def log_tail(self, name: str, lines: int = 60) -> str:
+        return self.procs.tail(self._index(name), lines)
+
+    def wait_up(self, timeout: float = 120.0) -> None:
+        """Wait until every decode instance takes requests (one restarting after a death is
+        connected when ready); TimeoutError past ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while not all(self.router.live):
+            got = self._next(deadline)
+            if got is None:
+                down = [f"decode{k}" for k, up in enumerate(self.router.live) if not up]
+                raise TimeoutError(f"{down} not up after {timeout} s")
+            k, msg = got
+            if msg is None or msg["op"] == "prefill_lost":     # a death between generate calls
+                self._recover(k, msg, {"decode": 0, "prefill": 0}, max_restarts=3)
+
+    def _connect(self, k: int, info: dict) -> None:
+        """Connect to decode instance ``k`` (ready with ``info``) and route requests to it."""
         ctl = Control.connect(info["control"])
         ctl.send({"op": "hello", "prefill": self.prefill_info["control"]})
-        self._generation += 1
-        self._decode_ctl = ctl
+        self._gen[k] += 1
+        self._ctl[k] = ctl
 
-        def read(gen=self._generation):
+        def read(gen=self._gen[k]):
             try:
                 while (msg := ctl.recv()) is not None:
-                    self._events.put((gen, msg))
+                    self._events.put(("decode", k, gen, msg))
             except (OSError, ValueError):
                 pass
-            self._events.put((gen, None))
-        threading.Thread(target=read, daemon=True).start()
+            self._events.put(("decode", k, gen, None))
+        threading.Thread(target=read, daemon=True, name=f"pdjax-client-decode{k}").start()
+        self.router.up(k)
 
-    def _kill(self, role: str) -> None:
-        proc, _ = self.procs.get(role, (None, None))
-        if proc is not None and proc.poll() is None:
-            proc.kill()                               # SIGKILL: jax catches SIGTERM
-            proc.wait(timeout=30)
-
-    def log_tail(self, role: str, chars: int = 4000) -> str:
-        return file_tail(os.path.join(self._log_dir, f"{role}.log"), chars)
-
-    def _restart_decode(self) -> None:
-        if self._decode_ctl is not None:
-            self._decode_ctl.close()
-        self._kill("decode")
+    def _restart_decode(self, k: int) -> None:
+        """Start decode instance ``k`` again; it is connected when ready (an ``up`` event)."""
+        if self._ctl[k] is not None:
+            self._ctl[k].close()
+            self._ctl[k] = None
         self.decode_restarts += 1
-        self._spawn("decode")
-        self._connect_decode()
+        self.procs.restart(k + 1)
+
+        def wait():
+            try:
+                self._events.put(("up", k, self.procs.wait_ready(k + 1, self.startup_timeout)))
+            except LaunchError as e:
+                self._events.put(("start_failed", k, e))
+        threading.Thread(target=wait, daemon=True, name=f"pdjax-client-start{k}").start()
 
     def _restart_prefill(self) -> None:
-        """A new prefill process (the old one killed if it lingers); decode connects to it."""
-        self._kill("prefill")
+        """A new prefill process (the old one killed if it lingers); every decode instance
+        connected now is given its address (one connecting later gets it in its hello)."""
+        self.procs.restart(PREFILL)
         self.prefill_restarts += 1
-        self._spawn("prefill")
-        self.prefill_info = self._wait_ready("prefill")
-        self._decode_ctl.send({"op": "prefill", "address": self.prefill_info["control"]})
+        self.prefill_info = self.procs.wait_ready(PREFILL, self.startup_timeout)
+        self._broadcast({"op": "prefill", "address": self.prefill_info["control"]})
+
+    def _broadcast(self, msg: dict) -> list[int]:
+        sent = []
+        for k, ctl in enumerate(self._ctl):
+            if ctl is not None and self.router.live[k]:
+                try:
+                    ctl.send(msg)
+                    sent.append(k)
+                except OSError:                           # it just died: its reader reports it
+                    pass
+        return sent
+
+    def _send(self, assignments) -> None:
+        for k, msg in assignments:
+            try:
+                self._ctl[k].send(msg)
+            except OSError:                               # it just died: re-issued when its reader says so
+                pass
+
+    def _next(self, deadline: float):
+        """The next message of a decode instance as ``(k, msg)`` (msg None: it died; ``{"op":
+        "up"}``: it was restarted and is connected now, queued requests routed), or None at
+        ``deadline``."""
+        while True:
+            try:
+                kind, k, *rest = self._events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return None
+            if kind == "up":
+                self._connect(k, rest[0])
+                self._send(self.router.assign())
+                return k, {"op": "up"}
+            elif kind == "start_failed":
+                raise RuntimeError(f"decode instance {k} did not restart: {rest[0]}")
+            elif rest[0] == self._gen[k]:                 # not from an instance already replaced
+                return k, rest[1]
 
     # ---- requests ------------------------------------------------------------------------
     def generate(self, prompts, max_new_tokens=16, *, sampling: SamplingParams | list | None = None,
                  stop_tokens=(), on_token=None, timeout: float = 300.0, max_restarts: int = 3,
                  handoff_timeout_s: float | list | None = None, use_prefix_cache: bool = True,
                  retention: str = "chat"):
-        """Serve ``prompts`` through the two processes; ``on_token(request_index, token)``
-        streams (each token once, also across a decode restart). A process that dies is
-        restarted (each role at most ``max_restarts`` times per call): a new decode process
-        gets the unfinished requests again, a new prefill process the attempts decode lost
-        with the old one. No result within ``timeout`` seconds raises.
+        """Serve ``prompts``; ``on_token(request_index, token)`` streams (each token once, also
+        across a re-issue). A process that dies is restarted (each role at most
+        ``max_restarts`` times per call): a dead decode instance's unfinished requests go to
+        another instance (or its restart), a new prefill process gets the attempts the decode
+        instances lost with the old one. No result within ``timeout`` seconds raises.
 
         ``max_new_tokens``, ``sampling`` and ``handoff_timeout_s`` may be per-request lists;
-        ``handoff_timeout_s`` None = the decode process's ``--handoff-timeout``.
+        ``handoff_timeout_s`` None = the decode processes' ``--handoff-timeout``.
         ``use_prefix_cache=False``: these requests neither read nor fill the prefix store;
         ``retention``: the retention class their prefix blocks are stored under."""
         t0 = time.perf_counter()
-        reqs = self._messages(prompts, max_new_tokens, sampling, stop_tokens, handoff_timeout_s,
+        reqs = self._requests(prompts, max_new_tokens, sampling, stop_tokens, handoff_timeout_s,
                               use_prefix_cache, retention)
-        for r in reqs.values():
-            self._decode_ctl.send(r["msg"])
-        results: list = [None] * len(prompts)
-        left = set(reqs)
-        restarts = {"decode": 0, "prefill": 0}
+        self.router.submit(reqs)
+        self._send(self.router.assign())
+        deaths = {"decode": 0, "prefill": 0}
         deadline = time.monotonic() + timeout
-        while left:
-            try:
-                gen, msg = self._events.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise TimeoutError(f"{len(left)} requests unfinished after {timeout} s; decode log:\n"
-                                   f"{self.log_tail('decode')}") from None
-            if gen != self._generation:
-                continue                              # from a decode process already replaced
+        while any(r.done is None for r in reqs):
+            got = self._next(deadline)
+            if got is None:
+                left = sum(r.done is None for r in reqs)
+                raise TimeoutError(f"{left} requests unfinished after {timeout} s; the processes' last lines:\n"
+                                   + "\n".join(f"[{n}] {self.log_tail(n, 10)}" for n in self.names))
+            k, msg = got
             if msg is None or msg["op"] == "prefill_lost":
-                role = "decode" if msg is None else "prefill"
-                restarts[role] += 1
-                if restarts[role] > max_restarts:
-                    raise RuntimeError(f"the {role} process died {restarts[role]} times in one generate; "
-                                       f"its log:\n{self.log_tail(role)}")
-                self._recover(role, reqs, left)
-                continue
-            r = reqs.get(msg.get("request"))
-            if r is not None:
-                self._on_result(r, msg, results, left, on_token, t0)
+                self._recover(k, msg, deaths, max_restarts)
+            elif (r := self.router.get(msg.get("request"))) is not None:
+                self._on_result(r, msg, on_token, t0)
+        self.router.forget(reqs)
         self._record_stats(reqs, time.perf_counter() - t0)
-        return results
+        return [RequestError(r.done["error"]) if "error" in r.done else list(r.done["tokens"]) for r in reqs]
 
-    def _messages(self, prompts, max_new_tokens, sampling, stop_tokens, handoff_timeout_s, use_prefix_cache,
-                  retention) -> dict:
-        """request id -> {index, its generate message, what came back so far}."""
+    def _requests(self, prompts, max_new_tokens, sampling, stop_tokens, handoff_timeout_s, use_prefix_cache,
+                  retention) -> list[Tracked]:
         n = len(prompts)
         samplings = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * n
         mnt, deadlines = _per_request(max_new_tokens, n), _per_request(handoff_timeout_s, n)
-        reqs = {}
+        out = []
         for i, p in enumerate(prompts):
             s = samplings[i]
-            rid, self._next_id = self._next_id, self._next_id + 1
-            msg = {"op": "generate", "request": rid, "prompt": [int(t) for t in p], "max_new_tokens": mnt[i],
+            msg = {"op": "generate", "prompt": [int(t) for t in p], "max_new_tokens": mnt[i],
                    "sampling": {"temperature": s.temperature, "top_p": s.top_p, "seed": s.seed},
                    "stop_tokens": [int(t) for t in stop_tokens], "prefix_cache": bool(use_prefix_cache),
                    "retention": str(retention)}
             if deadlines[i] is not None:
                 msg["handoff_timeout_s"] = float(deadlines[i])
-            reqs[rid] = {"index": i, "streamed": 0, "tokens": [], "ttft": None, "reissued": 0, "msg": msg}
-        return reqs
+            out.append(Tracked(i, msg))
+        return out
 
-    def _recover(self, role: str, reqs: dict, left: set) -> None:
-        """A role died: restart it; a new decode gets the unfinished requests again."""
-        if role == "prefill" or self.procs["prefill"][0].poll() is not None:
-            self._restart_prefill()
+    def _recover(self, k: int, msg: dict | None, deaths: dict, max_restarts: int) -> None:
+        """Decode instance ``k`` died (``msg`` None) or lost the prefill process."""
+        role = "decode" if msg is None else "prefill"
+        if role == "prefill" and msg.get("address", self.prefill_info["control"]) != self.prefill_info["control"]:
+            return                                        # a prefill process already replaced
+        deaths[role] += 1
+        if deaths[role] > max_restarts:
+            name = f"decode{k}" if role == "decode" else "prefill"
+            raise RuntimeError(f"the {role} processes died {deaths[role]} times in one generate; {name}'s last "
+                               f"output lines:\n{self.log_tail(name)}")
         if role == "decode":
-            self._restart_decode()
-            for rid in left:
-                reqs[rid]["tokens"], reqs[rid]["reissued"] = [], reqs[rid]["reissued"] + 1
-                self._decode_ctl.send(reqs[rid]["msg"])
+            self.router.lost(k)                           # re-issued below, or when an instance is up
+            if self.procs.poll()[PREFILL] is not None:
+                self._restart_prefill()
+            self._restart_decode(k)
+            self._send(self.router.assign())
+        else:
+            self._restart_prefill()
 
-    def _on_result(self, r: dict, msg: dict, results: list, left: set, on_token, t0: float) -> None:
+    def _on_result(self, r: Tracked, msg: dict, on_token, t0: float) -> None:
         if msg["op"] == "token":
-            r["tokens"].append(msg["token"])
-            if r["ttft"] is None:
-                r["ttft"] = time.perf_counter() - t0
-            if len(r["tokens"]) > r["streamed"]:      # not streamed before a decode restart
-                r["streamed"] += 1
-                if on_token is not None:
-                    on_token(r["index"], msg["token"])
+            if self.router.token(r, msg["token"], time.perf_counter() - t0) and on_token is not None:
+                on_token(r.index, msg["token"])
         elif msg["op"] == "done":
-            results[r["index"]] = RequestError(msg["error"]) if "error" in msg else list(msg["tokens"])
-            r["done"] = msg
-            left.discard(msg["request"])
-    def _record_stats(self, reqs, elapsed) -> None:
-        self._decode_ctl.send({"op": "stats"})
-        link = {}
+            self.router.finish(r, msg)
+
+    def _record_stats(self, reqs: list[Tracked], elapsed: float) -> None:
+        asked = set(self._broadcast({"op": "stats"}))
+        counters: dict = {}
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                gen, msg = self._events.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
+        while asked - set(counters):
+            got = self._next(deadline)
+            if got is None:
                 break
-            if gen == self._generation and msg is not None and msg["op"] == "stats":
-                link = {k: v for k, v in msg.items() if k != "op"}
-                break
+            k, msg = got
+            if msg is None:
+                asked.discard(k)
+            elif msg["op"] == "stats":
+                counters[k] = {key: v for key, v in msg.items() if key != "op"}
         per = []
-        for r in sorted(reqs.values(), key=lambda r: r["index"]):
-            d = r.get("done", {})
-            per.append({"index": r["index"], "ttft": r["ttft"], "kv_bytes_received": d.get("kv_bytes", 0),
-                        "prefill_attempts": d.get("prefill_attempts", 0),
+        for r in reqs:
+            d = r.done
+            per.append({"index": r.index, "instance": r.instance, "ttft": r.ttft,
+                        "kv_bytes_received": d.get("kv_bytes", 0), "prefill_attempts": d.get("prefill_attempts", 0),
                         "handoff_timeouts": d.get("handoff_timeouts", 0),
                         "prefix_hit_tokens": d.get("prefix_hit_tokens", 0),
-                        "prefix_errors": list(d.get("prefix_errors", [])), "reissued": r["reissued"]})
+                        "prefix_errors": list(d.get("prefix_errors", [])), "reissued": r.reissued})
         self.stats = {"requests": per, "kv_bytes_received": sum(d["kv_bytes_received"] for d in per),
-                      "elapsed_s": elapsed, "decode_restarts": self.decode_restarts,
-                      "prefill_restarts": self.prefill_restarts, "link": link}
+                      "elapsed_s": elapsed, "served": list(self.router.served),
+                      "decode_restarts": self.decode_restarts, "prefill_restarts": self.prefill_restarts,
+                      "link": _summed([counters[k] for k in sorted(counters)]),
+                      "instances": [counters.get(k) for k in range(self.num_decode)]}
 
     def close(self) -> None:
-        """Shut both processes down (SIGKILL after a short grace) and remove the logs."""
-        try:
-            if self._decode_ctl is not None:
-                self._decode_ctl.send({"op": "shutdown"})
-        except OSError:
-            pass
-        for role, (proc, _) in list(self.procs.items()):
-            try:
-                proc.stdin.close()                    # the child's watchdog exits on EOF
-            except OSError:
-                pass
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
-            self._kill(role)
-        if self._decode_ctl is not None:
-            self._decode_ctl.close()
-        shutil.rmtree(self._log_dir, ignore_errors=True)
+        """SIGKILL every process (and wait for it)."""
+        for ctl in getattr(self, "_ctl", []):
+            if ctl is not None:
+                ctl.close()
+        self.procs.close()
 
     def __enter__(self):
         return self
@@ -303,6 +332,30 @@ class TwoProcessServer:
         self.close()
 
 
+def _summed(counters: list[dict]) -> dict:
+    """Numeric counters of several decode instances added up (throughput: bytes / seconds)."""
+    out: dict = {}
+    for c in counters:
+        for key, v in c.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[key] = out.get(key, 0) + v
+    if "pull_seconds" in out:
+        out["link_throughput_Bps"] = out["kv_bytes_received"] / out["pull_seconds"] if out["pull_seconds"] else 0.0
+    return out
+
+
+class TwoProcessServer(PDCluster):
+    """:class:`PDCluster` with one decode instance: a prefill and a decode process."""
+
+    def __init__(self, preset: str = "tiny", seed: int = 0, **kwargs):
+        super().__init__(preset, seed, num_decode=1, **kwargs)
+
+
+def launch_pd(preset: str = "tiny", seed: int = 0, *, num_decode: int = 2, **kwargs) -> PDCluster:
+    """Start one prefill and ``num_decode`` decode processes; see :class:`PDCluster`."""
+    return PDCluster(preset, seed, num_decode=num_decode, **kwargs)
+
+
 def launch_two_process(preset: str = "tiny", seed: int = 0, **kwargs) -> TwoProcessServer:
-    """Start the prefill and decode processes; see :class:`TwoProcessServer`."""
+    """Start the prefill and decode processes; see :class:`PDCluster`."""
     return TwoProcessServer(preset, seed, **kwargs)

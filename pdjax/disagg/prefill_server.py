@@ -18,19 +18,27 @@ and death).
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 
 import jax
 
-from pdjax.disagg.children import announce_ready
+from pdjax.cluster.supervisor import announce_ready
 from pdjax.disagg.prefill import PrefillPool
 from pdjax.disagg.prefix_store import PrefixStore
 from pdjax.disagg.request import Clock
-from pdjax.cluster.transfer import ArraySender, Control, listen, start_transfer_server
+from pdjax.cluster.transfer import LOOPBACK, ArraySender, Control, listen, start_transfer_server
 from pdjax.disagg.link import TransferLink
 from pdjax.disagg.wire import PrefillJob, event_to_wire
 from pdjax.disagg.worker import PrefillWorker
+
+
+def ready_info(role: str, listener, transfer_address: str) -> dict:
+    """What a role announces on its ready line: its control and transfer addresses (the
+    ports the OS picked) and its pid."""
+    host, port = listener.getsockname()[:2]
+    return {"role": role, "control": f"{host}:{port}", "transfer": transfer_address, "pid": os.getpid()}
 
 
 def mesh_devices(mesh_axes: dict) -> list:
@@ -45,26 +53,28 @@ def mesh_devices(mesh_axes: dict) -> list:
 
 
 class PrefillServer:
-    """``prefix_cache``: None or PrefixStore options (default 0 device, 256 host blocks)."""
+    """``prefix_cache``: None or PrefixStore options (default 0 device, 256 host blocks);
+    ``host``: the address the control listener and the transfer server bind to. Serves any
+    number of decode instances, each on its own control connection."""
 
     def __init__(self, params, cfg, mesh_axes: dict, *, block_size: int = 16, prefix_cache: dict | None = None,
-                 link_wrapper=None):
+                 link_wrapper=None, host: str = LOOPBACK):
         self.pool = PrefillPool(params, cfg, mesh_devices(mesh_axes), mesh_axes)
         self.store = None
         if prefix_cache is not None:
             self.store = PrefixStore(cfg, block_size, dtype=cfg.kv_cache_dtype, device=self.pool.replicated,
                                      **{"device_blocks": 0, "host_blocks": 256, **prefix_cache})
-        self.sender = ArraySender(start_transfer_server(jax.local_devices()))
+        self.sender = ArraySender(start_transfer_server(jax.local_devices(), host))
         self.link = TransferLink(sender=self.sender)
         self.control_ops: dict = {}                    # op -> handler(message) -> reply
         if link_wrapper is not None:
             self.link = link_wrapper(self.link, self)
         self.worker = PrefillWorker(self.pool, self.link, Clock(), store=self.store)
-        self.listener = listen()
+        self.listener = listen(host)
         self.jobs: queue.Queue = queue.Queue()
 
     def serve_forever(self) -> None:
-        announce_ready("prefill", self.listener, self.sender.address)
+        announce_ready(ready_info("prefill", self.listener, self.sender.address))
         threading.Thread(target=self._accept, daemon=True).start()
         while True:
             ctl, job = self.jobs.get()

@@ -1,10 +1,11 @@
-"""Two-process PD serving: the entry point of one role (``pdjax serve --role prefill|decode``).
+"""PD serving across processes: the entry point of one role (``pdjax serve --role prefill|decode``).
 
 Each role is a process on its own devices with the same params ``(preset, seed)``; the latent
 KV moves layer by layer with ``jax.experimental.transfer``. The roles:
 :class:`~pdjax.disagg.prefill_server.PrefillServer` and
-:class:`~pdjax.disagg.decode_server.DecodeServer`; the client and launcher that start them,
-``TwoProcessServer`` / ``launch_two_process``: :mod:`pdjax.disagg.launcher`.
+:class:`~pdjax.disagg.decode_server.DecodeServer`; the client and launcher that start them
+(one prefill and one or more decode processes), ``PDCluster`` / ``launch_pd`` /
+``launch_two_process``: :mod:`pdjax.disagg.launcher`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import json
 import jax
 
 from pdjax.configs import preset as config_preset
-from pdjax.disagg.children import exit_when_orphaned
+from pdjax.cluster.supervisor import exit_when_orphaned
+from pdjax.cluster.transfer import LOOPBACK
 from pdjax.model.transformer import init_params
 
 __all__ = ["build_parser", "main"]
@@ -50,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode: abandon a prefill attempt without progress for this long and re-prefill")
     p.add_argument("--max-prefill-attempts", type=int, default=3,
                    help="decode: prefill attempts (failed or timed out) before a request fails")
+    p.add_argument("--pull-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="decode: the deadline of each KV pull (then the attempt fails and is prefilled again)")
+    p.add_argument("--host", default=LOOPBACK,
+                   help="the address the control listener and the transfer server bind to (default loopback)")
     return p
 
 
@@ -64,11 +70,12 @@ def main(argv=None, *, link_wrapper=None) -> int:
     if args.role == "prefill":
         from pdjax.disagg.prefill_server import PrefillServer
         PrefillServer(params, cfg, mesh, block_size=args.block_size, prefix_cache=args.prefix_cache,
-                      link_wrapper=link_wrapper).serve_forever()
+                      link_wrapper=link_wrapper, host=args.host).serve_forever()
     else:
         from pdjax.disagg.decode_server import DecodeServer
         DecodeServer(params, cfg, mesh, slots=args.slots, block_size=args.block_size,
                      max_context=args.max_context or cfg.max_position_embeddings, num_blocks=args.num_blocks,
                      max_prefill_attempts=args.max_prefill_attempts,
-                     handoff_timeout_s=args.handoff_timeout).serve_forever()
+                     handoff_timeout_s=args.handoff_timeout, pull_timeout_s=args.pull_timeout,
+                     host=args.host).serve_forever()
     return 0

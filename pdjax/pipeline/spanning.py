@@ -22,6 +22,7 @@ process reads the same monotonic clock, so their absolute times are used as they
 from __future__ import annotations
 
 import datetime
+import json
 import secrets
 import socket
 
@@ -32,7 +33,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from pdjax.cluster import store
-from pdjax.cluster.transfer import start_transfer_server
+from pdjax.cluster.transfer import check_layout, layout, start_transfer_server
 
 KIND_BITS = {"act": 0, "grad": 1}
 _ADDRESS_BYTES = 256
@@ -200,8 +201,9 @@ class _Pull:
 
     def fetch(self):
         key = _offered(self.uuid)
-        store.get(key, self.timeout_s)
+        sent = json.loads(store.get(key, self.timeout_s))
         store.delete(key)
+        check_layout(sent, self.spec.sharding, self.spec.shape, self.uuid, self.spec.dtype)
         (value,) = self.connection.pull(self.uuid, [self.spec])
         return value if self.target == self.spec.sharding else jax.device_put(value, self.target)
 
@@ -252,4 +254,4 @@ class _StepLinks:
         key, value = handle
         uuid = self.spanning.uuid(key)
         self.spanning.server.await_pull(uuid, [value], timeout=datetime.datetime.now() + self.ttl)
-        store.put(_offered(uuid), "1")
+        store.put(_offered(uuid), json.dumps(layout(value.sharding, value.shape)))

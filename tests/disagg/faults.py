@@ -72,6 +72,16 @@ def flip_bit(rows):
 
 
 MALFORMED = ("extra_row", "wrong_device", "wrong_dtype")   # payloads the decode side must refuse
+WRONG_LAYOUT = "wrong_layout"    # a transfer descriptor announcing another layout than the offer's
+
+
+def wrong_layout(desc: dict) -> dict:
+    """A transfer descriptor whose layout says the rows lie split over two devices (the
+    decode side's pull onto one device must be refused, never pull wrong data)."""
+    rows = desc["shape"][0]
+    half = [[[0, rows // 2], [0, desc["shape"][1]]], [[rows // 2, rows], [0, desc["shape"][1]]]]
+    return {**desc, "layout": {"devices": 2, "shards": half, "shard_shape": [rows // 2, desc["shape"][1]],
+                               "spec": "PartitionSpec('x',)"}}
 
 
 def malformed(kind: str, payload):
@@ -120,6 +130,8 @@ class FaultyLink:
         payload, nbytes = self.inner.send(chunk)
         if fault is not None and fault.kind in MALFORMED:
             payload = malformed(fault.kind, payload)
+        elif fault is not None and fault.kind == WRONG_LAYOUT:
+            payload = wrong_layout(payload)
         return payload, nbytes
 
     def _inject(self, fault: Fault, chunk):
@@ -151,7 +163,7 @@ class FaultyLink:
             self.release.wait()
             self.hanging -= 1
             raise ConnectionError("injected: a hung transfer was released")
-        if fault.kind in MALFORMED:                   # the payload is spoiled after the inner send
+        if fault.kind in MALFORMED or fault.kind == WRONG_LAYOUT:     # spoiled after the inner send
             return chunk
         raise ValueError(f"unknown fault kind {fault.kind!r}")
 
@@ -185,7 +197,7 @@ def wrap(link, server) -> FaultyLink:
 
 
 def inject_prefill_fault(server, **fault) -> dict:
-    """Send ``fault`` to the prefill process of a ``launch_two_process`` server (started with
+    """Send ``fault`` to the prefill process of a ``launch_two_process`` / ``launch_pd`` server (started with
     serve_faulty.py) on a control connection of its own; returns the reply, raises if the
     process refused it."""
     from pdjax.cluster.transfer import Control
@@ -202,6 +214,15 @@ def inject_prefill_fault(server, **fault) -> dict:
     if not reply or not reply.get("ok"):
         raise RuntimeError(f"the prefill process refused the fault {fault}: {reply!r}")
     return reply
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is in the process table and not a zombie (read from /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def corrupt_block(store, block_hash: int) -> str:

@@ -1,0 +1,98 @@
+"""The receiver's checks on jax.experimental.transfer (pdjax.cluster.transfer), sender and
+receiver in this one process on different devices: the descriptor carries the sender's
+layout; a pull whose target sharding lays the array out otherwise is refused before
+anything is pulled (jax would hand back wrong data silently); a pull past its deadline raises
+TimeoutError naming its uuid; a matching sharded pull moves exact values."""
+
+import datetime
+import time
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+
+from pdjax.cluster.transfer import ArrayReceiver, ArraySender, layout, start_transfer_server
+
+
+def _mesh(devices, name="x"):
+    return jax.make_mesh((len(devices),), (name,), devices=devices, axis_types=(AxisType.Auto,))
+
+
+@pytest.fixture(scope="module")
+def ends():
+    sender = ArraySender(start_transfer_server(jax.devices()[:4]))
+    receiver = ArrayReceiver(sender.address, start_transfer_server(jax.devices()[4:]), timeout_s=30)
+    return sender, receiver
+
+
+def _rows(sharding, shape=(8, 40)):
+    return jax.device_put(np.arange(np.prod(shape), dtype=np.float32).reshape(shape), sharding)
+
+
+def test_descriptor_carries_the_senders_layout(ends):
+    sender, _ = ends
+    rows = _rows(NamedSharding(_mesh(jax.devices()[:2]), P("x")))
+    desc = sender.offer(rows, gather=False)
+    assert desc["shape"] == [8, 40] and desc["dtype"] == "float32" and desc["nbytes"] == 8 * 40 * 4
+    assert desc["layout"] == {"devices": 2, "shards": [[[0, 4], [0, 40]], [[4, 8], [0, 40]]],
+                              "shard_shape": [4, 40], "spec": str(P("x"))}
+    gathered = sender.offer(rows)                 # the default: one device's copy
+    assert gathered["layout"]["devices"] == 1 and gathered["layout"]["shard_shape"] == [8, 40]
+    _, receiver = ends
+    receiver.pull(desc, NamedSharding(_mesh(jax.devices()[4:6]), P("x")))     # consume both offers
+    receiver.pull(gathered, jax.devices()[7])
+
+
+def test_a_pull_with_the_senders_layout_moves_exact_values(ends):
+    sender, receiver = ends
+    rows = _rows(NamedSharding(_mesh(jax.devices()[:2]), P("x")))
+    target = NamedSharding(_mesh(jax.devices()[4:6], "y"), P("y"))     # other mesh, other axis name, same layout
+    got = receiver.pull(sender.offer(rows, gather=False), target)
+    assert got.sharding == target
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(rows))
+
+
+@pytest.mark.parametrize("target", ["replicated", "other split", "one device", "columns"])
+def test_a_pull_whose_sharding_differs_from_the_senders_is_refused(ends, target):
+    """Refused with a ValueError naming both layouts, before any pull is issued (the offer is
+    still there: a matching pull afterwards gets the right data)."""
+    sender, receiver = ends
+    rows = _rows(NamedSharding(_mesh(jax.devices()[:2]), P("x")))
+    desc = sender.offer(rows, gather=False)
+    wrong = {"replicated": NamedSharding(_mesh(jax.devices()[4:6]), P()),
+             "other split": NamedSharding(_mesh(jax.devices()[4:8]), P("x")),
+             "one device": SingleDeviceSharding(jax.devices()[4]),
+             "columns": NamedSharding(_mesh(jax.devices()[4:6]), P(None, "x"))}[target]
+    pulls = receiver.pulls
+    with pytest.raises(ValueError, match=rf"uuid {desc['uuid']} .*target sharding .* differs from the sender's "
+                                         r"\(2 device\(s\), spec .*shard shape \(4, 40\)\)") as e:
+        receiver.pull(desc, wrong)
+    assert layout(wrong, (8, 40))["spec"] in str(e.value) and receiver.pulls == pulls
+    got = receiver.pull(desc, NamedSharding(_mesh(jax.devices()[4:6]), P("x")))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(rows))
+
+
+def test_a_descriptor_without_a_layout_is_refused(ends):
+    _, receiver = ends
+    with pytest.raises(ValueError, match="uuid 5: the descriptor announces no layout"):
+        receiver.pull({"uuid": 5, "shape": [2, 4], "dtype": "float32", "nbytes": 32}, jax.devices()[4])
+
+
+def test_a_pull_past_its_deadline_raises_timeout_naming_it(ends):
+    """Nothing is offered under the uuid: jax's pull returns a future at once and would wait
+    for ever; the receiver's own deadline ends it. (Offered afterwards, the stranded pull
+    completes, so nothing is left waiting.)"""
+    sender, receiver = ends
+    uuid = 987654321
+    desc = {"uuid": uuid, "shape": [8, 40], "dtype": "float32", "nbytes": 8 * 40 * 4,
+            "layout": layout(SingleDeviceSharding(jax.devices()[0]), (8, 40))}
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=rf"pull of uuid {uuid} not complete after 0.5 s"):
+        receiver.pull(desc, jax.devices()[4], timeout_s=0.5)
+    assert 0.5 <= time.monotonic() - t0 < 5
+    rows = _rows(SingleDeviceSharding(jax.devices()[0]))
+    sender.server.await_pull(uuid, [rows], timeout=datetime.datetime.now() + datetime.timedelta(seconds=30))
+    # and a pull offered in time is not cut short by its deadline
+    got = receiver.pull(sender.offer(rows), jax.devices()[5], timeout_s=10)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(rows))
