@@ -33,19 +33,20 @@ at a time across all processes (a file lock) and measures the link latency (``co
 value's time in flight, from its announcement to its arrival).
 
 The parent process only coordinates: it validates everything first (an :class:`Executor`
-that compiles nothing), starts the workers, and kills them (SIGKILL) on close, on any
-worker's failure, or when a worker does not answer within ``timeout_s``.
+that compiles nothing), starts the workers (:mod:`pdjax.pipeline.rank_worker`) under a
+:class:`pdjax.cluster.supervisor.Supervisor` (their output in its tail and in a log file per
+rank), and kills them (SIGKILL to each group) on close, on any worker's failure, or when a
+worker does not answer within ``timeout_s``. For ranks in the processes of a
+``jax.distributed`` launch (several hosts), build the :class:`Executor` itself over
+``jax.devices()`` in every process (:mod:`pdjax.pipeline.spanning`).
 """
 
 from __future__ import annotations
 
-import fcntl
-import json
 import os
 import pickle
 import queue
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -53,26 +54,14 @@ import time
 
 import numpy as np
 
-READY_FILE = "ready-{rank}.json"
+from pdjax.cluster.supervisor import LaunchError, Supervisor, device_environ
+
 TRANSPORTS = ("shm", "transfer")
 
 
 def available_cores() -> list[int]:
     """The CPU cores this process may run on."""
     return sorted(os.sched_getaffinity(0))
-
-
-class _FileLock:
-    """A lock shared by processes (``flock`` on one file): one op at a time, machine-wide."""
-
-    def __init__(self, path: str):
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-
-    def acquire(self):
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-
-    def release(self):
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
 
 
 class RankProcesses:
@@ -114,7 +103,7 @@ class RankProcesses:
         if bad:
             raise ValueError(f"cores {bad} are not available to this process (available: {available_cores()})")
         self.schedule, self.cfg, self.cores, self.timeout_s = schedule, cfg, cores, float(timeout_s)
-        self.procs: list = []
+        self.procs = Supervisor()
         self._ctl: list = []
         self._replies: queue.Queue = queue.Queue()
         self.last_timeline = self.last_memory = self.stage_memory = None
@@ -141,29 +130,19 @@ class RankProcesses:
     def _spawn(self, r: int, extra_env) -> None:
         import jax
 
-        from pdjax.disagg.children import child_env
-
         # the parent's numerics and compilation cache, then the caller's extra environment
         config = {name.upper(): str(value) for name in ("jax_default_matmul_precision", "jax_compilation_cache_dir",
                                                         "jax_persistent_cache_min_compile_time_secs")
                   if (value := getattr(jax.config, name, None)) is not None}
-        env = child_env(1, {**config, **(extra_env or {})})
-        log = open(os.path.join(self._dir, f"rank{r}.log"), "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "pdjax.pipeline.processes", self._dir, str(r),
-                                 str(self.cores[r])], stdin=subprocess.PIPE, stdout=log, stderr=log, env=env)
-        log.close()
-        self.procs.append(proc)
+        self.procs.start([sys.executable, "-m", "pdjax.pipeline.rank_worker", self._dir, str(r), str(self.cores[r])],
+                         device_environ(1, {**config, **(extra_env or {})}), name=f"rank {r}'s process",
+                         orphan_pipe=True, log_path=os.path.join(self._dir, f"rank{r}.log"))
 
     def _wait_ready(self, r: int, timeout_s: float) -> dict:
-        path = os.path.join(self._dir, READY_FILE.format(rank=r))
-        deadline = time.monotonic() + timeout_s
-        while not os.path.exists(path):
-            if self.procs[r].poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"rank {r}'s process did not start (exit code {self.procs[r].poll()}); "
-                                   f"log tail:\n{self.log_tail(r)}")
-            time.sleep(0.05)
-        with open(path) as f:
-            return json.load(f)
+        try:
+            return self.procs.wait_ready(r, timeout_s)
+        except LaunchError as e:
+            raise RuntimeError(f"rank {r}'s process did not start: {e}") from None
 
     def _connect(self, infos) -> None:
         from pdjax.cluster.transfer import Control
@@ -193,7 +172,7 @@ class RankProcesses:
                 ctl.send(msg)
             except OSError as exc:            # the worker is gone: its reader says so next
                 self._replies.put((r, {"op": "error", "error": f"cannot reach the process ({exc}); "
-                                                             f"exit code {self.procs[r].poll()}"}))
+                                                             f"exit code {self.procs.poll()[r]}"}))
         out: dict = {}
         deadline = time.monotonic() + self.timeout_s
         while len(out) < len(msgs):
@@ -203,11 +182,11 @@ class RankProcesses:
                 r = min(set(range(len(msgs))) - set(out))
                 reply = {"op": "error", "error": f"no answer within {self.timeout_s:.0f} s"}
             if reply is None:
-                reply = {"op": "error", "error": f"the process exited (code {self.procs[r].poll()})"}
+                reply = {"op": "error", "error": f"the process exited (code {self.procs.poll()[r]})"}
             if reply.get("op") == "error":
-                dead = [i for i, p in enumerate(self.procs) if p.poll() is not None]
+                dead = self.procs.exited()
                 if dead and r not in dead:    # a peer's death is the cause, not this rank's error
-                    why = (f"the process exited (code {self.procs[dead[0]].poll()}); "
+                    why = (f"the process exited (code {self.procs.poll()[dead[0]]}); "
                            f"rank {r} then failed: {reply['error'][:300]}")
                     r, reply = dead[0], {"op": "error", "error": why}
                 tail = self.log_tail(r)
@@ -217,9 +196,8 @@ class RankProcesses:
         return [out[r] for r in range(len(msgs))]
 
     def log_tail(self, r: int, chars: int = 3000) -> str:
-        from pdjax.disagg.children import file_tail
-
-        return file_tail(os.path.join(self._dir, f"rank{r}.log"), chars)
+        """The last ``chars`` characters of rank ``r``'s process output."""
+        return self.procs.tail(r)[-chars:] if self.procs is not None else ""
 
     def close(self) -> None:
         """Stop the workers (SIGKILL) and remove their files."""
@@ -229,16 +207,9 @@ class RankProcesses:
             except OSError:
                 pass
         self._ctl = []
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-            if proc.stdin:
-                proc.stdin.close()
-        self.procs = []
+        if self.procs is not None:
+            self.procs.close()
+            self.procs = None
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def __enter__(self):
@@ -248,7 +219,7 @@ class RankProcesses:
         self.close()
 
     def __del__(self):
-        if getattr(self, "procs", None):
+        if getattr(self, "procs", None) is not None:
             self.close()
 
     # ---- steps -----------------------------------------------------------------------------
@@ -342,234 +313,3 @@ class RankProcesses:
                     stage_grads[int(s)] = g
         like = jax.eval_shape(lambda k: init_params(self.cfg, k), jax.random.key(0))
         return self._ex.gather_grads(stage_grads, like)
-
-
-# ---- the worker ------------------------------------------------------------------------------
-def _worker(run_dir: str, rank: int, core: int) -> None:
-    os.sched_setaffinity(0, {core})          # before jax starts a thread: they all inherit it
-    from pdjax.disagg.children import exit_when_orphaned
-
-    exit_when_orphaned()
-    with open(os.path.join(run_dir, "spec.pkl"), "rb") as f:
-        spec = pickle.load(f)
-    _Worker(spec, run_dir, rank).serve()
-
-
-class _Incoming:
-    """A value announced through shared memory, read onto the device by the op that needs
-    it, as its first step (so the read is timed with that op, in isolation as in the run, and
-    never takes time from an op running meanwhile)."""
-
-    def __init__(self, msg: dict, worker, arrived: float):
-        self.msg, self.worker, self.arrived = msg, worker, arrived
-
-    def materialize(self):
-        import jax
-        import numpy as np
-
-        msg = self.msg
-        arr = np.fromfile(msg["path"], dtype=np.dtype(msg["dtype"])).reshape(msg["shape"])
-        os.unlink(msg["path"])
-        if arr.nbytes != msg["nbytes"]:
-            raise ValueError(f"read {arr.nbytes} bytes for {msg['key']}, announced {msg['nbytes']}")
-        value = jax.block_until_ready(jax.device_put(arr, self.worker.dev))
-        # in flight: the announcement's trip (the bytes were written by the producing op and
-        # are read by the consuming one)
-        self.worker._landed(msg, time.perf_counter(), self.arrived - msg["sent"])
-        return value
-
-
-class _Worker:
-    def __init__(self, spec: dict, run_dir: str, rank: int):
-        import jax
-
-        from pdjax.cluster.transfer import ArraySender, listen, start_transfer_server
-        from pdjax.pipeline import stages as st
-        from pdjax.pipeline.executor import Executor
-        from pdjax.pipeline.runtime import Mailbox
-
-        self.rank, self.run_dir = rank, run_dir
-        self.schedule, self.cfg = spec["schedule"], spec["cfg"]
-        self.dev = jax.local_devices()[0]
-        n = self.schedule.num_ranks
-        self.ex = ex = Executor(self.schedule, self.cfg, devices=[self.dev] * n,
-                                layers_per_stage=spec["layers_per_stage"], measure=True, timeout_s=spec["timeout_s"])
-        ex.local_ranks = {rank}
-        params = spec["params"]
-        if params is None:
-            from pdjax.model.transformer import init_params
-
-            params = jax.jit(init_params, static_argnums=0)(self.cfg, jax.random.key(spec["seed"]))
-        sharding = jax.sharding.SingleDeviceSharding(self.dev)
-        self.staged = []
-        for s, r in enumerate(self.schedule.layout.stage_rank):
-            chunk_params = st.chunk_params(params, ex.chunks[ex.stage_chunk[s]])
-            if r == rank:
-                self.staged.append(jax.device_put(chunk_params, sharding))
-            else:     # another rank's stage: its shapes only (nothing of it runs here)
-                self.staged.append(jax.tree.map(
-                    lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=sharding), chunk_params))
-        del params
-        self.mail = Mailbox()
-        self.transport = spec["transport"]
-        self._files = 0
-        self.server = start_transfer_server([self.dev])
-        self.sender = ArraySender(self.server, ttl_s=spec["timeout_s"])
-        self.listener = listen()
-        self.lock = _FileLock(os.path.join(run_dir, "ops.lock"))
-        self.peers_out: dict = {}
-        self.peer_transfer: dict = {}
-        self._receivers: dict = {}
-        self.transfers: list = []
-        self._parent: queue.Queue = queue.Queue()
-        self.run = None
-        threading.Thread(target=self._accept, daemon=True, name="pdjax-ranks-accept").start()
-        host, port = self.listener.getsockname()[:2]
-        tmp = os.path.join(run_dir, f".ready-{rank}.json")
-        with open(tmp, "w") as f:
-            json.dump({"rank": rank, "control": f"{host}:{port}", "transfer": self.sender.address,
-                       "pid": os.getpid()}, f)
-        os.replace(tmp, os.path.join(run_dir, READY_FILE.format(rank=rank)))
-
-    # ---- connections -----------------------------------------------------------------------
-    def _accept(self):
-        from pdjax.cluster.transfer import Control
-
-        while True:
-            sock, _ = self.listener.accept()
-            ctl = Control(sock)
-            hello = ctl.recv()
-            if hello and hello.get("op") == "parent":
-                self._parent.put(ctl)
-            elif hello and hello.get("op") == "peer":
-                threading.Thread(target=self._receive, args=(ctl, int(hello["rank"])), daemon=True,
-                                 name=f"pdjax-ranks-recv{hello['rank']}").start()
-
-    def _receive(self, ctl, src: int):
-        """Announced values from rank ``src``, into the mailbox: "transfer" pulls each onto
-        this device here; "shm" leaves it to the consumer (:class:`_Incoming`)."""
-        from pdjax.cluster.transfer import ArrayReceiver
-
-        try:
-            while (msg := ctl.recv()) is not None:
-                kind, stage, mb = msg["key"]
-                if "path" in msg:       # shared memory
-                    self.mail.put((kind, int(stage), int(mb)), _Incoming(msg, self, time.perf_counter()))
-                    continue
-                if src not in self._receivers:
-                    self._receivers[src] = ArrayReceiver(self.peer_transfer[src], self.server)
-                value = self._receivers[src].pull(msg, self.dev)
-                landed = time.perf_counter()
-                self._landed(msg, landed, landed - msg["sent"])
-                self.mail.put((kind, int(stage), int(mb)), value)
-        except BaseException as exc:  # noqa: BLE001 - the waiting rank reports it
-            self.mail.fail(exc)
-
-    def _landed(self, msg, landed: float, latency: float):
-        """Book one received value: when it was sent and landed, and the link latency (s):
-        the time it was in flight, not time it waited for its consumer."""
-        self.transfers.append({"key": msg["key"], "sent": msg["sent"] * 1e3, "landed": landed * 1e3,
-                               "latency": latency * 1e3, "nbytes": msg["nbytes"]})
-
-    # the ``remote`` of the rank's run: a value for a stage of another rank
-    def prepare(self, key, value):
-        """During the producing op: "shm" writes the value's bytes to a file in shared memory
-        (the producer's hand-off, timed with its op); "transfer" offers it to the pull."""
-        import numpy as np
-
-        if self.transport == "shm":
-            arr = np.asarray(value)
-            self._files += 1
-            path = os.path.join(self.run_dir, f"v{self.rank}-{self._files}.bin")
-            with open(path, "wb") as f:
-                arr.tofile(f)
-            desc = {"path": path, "shape": list(arr.shape), "dtype": str(arr.dtype), "nbytes": int(arr.nbytes)}
-        else:
-            desc = self.sender.offer(value)
-        return key, desc
-
-    def announce(self, handle):
-        """Once the producing op's end is recorded: tell the consumer's rank."""
-        key, desc = handle
-        dest = self.schedule.layout.stage_rank[key[1]]
-        self.peers_out[dest].send({"op": "value", "key": list(key), **desc, "sent": time.perf_counter()})
-
-    # ---- commands -------------------------------------------------------------------------
-    def serve(self):
-        ctl = self._parent.get()
-        while (msg := ctl.recv()) is not None:
-            try:
-                reply = getattr(self, "_cmd_" + msg["op"])(msg)
-            except BaseException as exc:  # noqa: BLE001 - the parent raises it
-                import traceback
-
-                traceback.print_exc()
-                reply = {"op": "error", "error": f"{type(exc).__name__}: {exc}"}
-            ctl.send(reply)
-        os._exit(0)
-
-    def _cmd_peers(self, msg):
-        from pdjax.cluster.transfer import Control
-
-        for info in msg["peers"]:
-            r = int(info["rank"])
-            if r == self.rank:
-                continue
-            self.peer_transfer[r] = info["transfer"]
-            out = Control.connect(info["control"])
-            out.send({"op": "peer", "rank": self.rank})
-            self.peers_out[r] = out
-        return {"op": "ok"}
-
-    def _cmd_compile(self, msg):
-        t = time.perf_counter()
-        self.ex.compile(self.staged, tuple(msg["shape"]))
-        return {"op": "ok", "seconds": time.perf_counter() - t}
-
-    def _cmd_step(self, msg):
-        import jax
-
-        from pdjax.pipeline.runtime import StepRun
-
-        tokens = self.ex.check_batch(np.load(msg["tokens"]))
-        self.transport = msg["transport"]
-        info = self.ex.compile(self.staged, tokens.shape)
-        m = self.schedule.num_microbatches
-        b = tokens.shape[0] // m
-        run = StepRun(self.ex, info, self.staged, [tokens[i * b:(i + 1) * b] for i in range(m)],
-                       self.lock if msg["isolated"] else False, ranks=(self.rank,), mail=self.mail,
-                       remote=self)
-        jax.block_until_ready((run.tokens_in, run.tokens_out, run.acc, run.one))
-        self.transfers = []
-        delay = msg["at"] - time.perf_counter()
-        if delay > 0:
-            time.sleep(delay)
-        run.drive()
-        self.run = run
-        r = self.rank
-        base = run.t0 * 1e3
-        return {"op": "stepped", "starts": (run.starts[r] + base).tolist(), "ends": (run.ends[r] + base).tolist(),
-                "dispatch": run.dispatch[r].tolist() if msg["isolated"] else [],
-                "peak": float(run.peak[r]), "stage_memory": {k: v.tolist() for k, v in run.stage_memory.items()},
-                "losses": {str(k): float(v) for k, v in run.losses.items()}, "transfers": list(self.transfers)}
-
-    def _cmd_grads(self, msg):
-        import jax
-
-        if self.run is None:
-            raise RuntimeError("no step has run")
-        out = {s: jax.tree.map(np.asarray, g) for s, g in enumerate(self.run.acc) if g is not None}
-        with open(msg["path"], "wb") as f:
-            pickle.dump(out, f)
-        return {"op": "ok", "path": msg["path"]}
-
-
-if __name__ == "__main__":
-    try:
-        _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
-    except BaseException:  # noqa: BLE001 - the log holds the traceback; the parent reports it
-        import traceback
-
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)      # not a normal shutdown: the stdin watcher thread still reads
