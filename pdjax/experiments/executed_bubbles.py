@@ -6,7 +6,8 @@ rank), times every op in isolation and simulates the schedule with those times a
 executor's byte model. ``[run] processes = true`` (the default) runs each rank in a process
 of its own pinned to one CPU core (:class:`pdjax.pipeline.RankProcesses`), so ranks do not
 share cores; ``false`` runs every rank as a thread of this process (on accelerators, where
-a rank is a device). The run directory gets ``<schedule>.png`` / ``.svg`` (measured over
+a rank is a device); ``cluster = true`` runs each rank in a process of a ``jax.distributed``
+launch with the multi-controller executor (the way ranks on several hosts run). The run directory gets ``<schedule>.png`` / ``.svg`` (measured over
 simulated Gantt chart, one time axis), ``executed_bubbles.csv`` (one row per schedule),
 ``executed_bubbles.json`` (the rows with every step's makespan and the per-op costs) and
 ``report.md``. Times are measured (``wall_clock``); the shapes and the measured and
@@ -47,6 +48,7 @@ class Run:
     repeats: int = knob(3, minimum=1)        # measured steps; the median makespan is reported
     op_repeats: int = knob(3, minimum=1)     # isolated runs of every op (medians)
     processes: bool = True                   # a process per rank pinned to a core; false: threads
+    cluster: bool = False                    # a jax.distributed launch, a process per rank (wins over processes)
 
     def __post_init__(self):
         for name in self.schedules:         # the generators' own size checks, before anything runs
@@ -126,6 +128,14 @@ def report_table(rows) -> str:
     return markdown_table(table_rows) + "\n\n" + note + "\n"
 
 
+def _where(r: Run) -> str:
+    if r.cluster:
+        return (", each rank a process of a jax.distributed launch (pdjax.cluster.launch) pinned to one core, "
+                "the executor multi-controller.")
+    return (", each rank a process of its own pinned to one core." if r.processes
+            else ", every rank a thread of one process.")
+
+
 def _measure(c: Config, mcfg, tokens, params) -> list:
     from pdjax.pipeline.executed import measure_schedule
 
@@ -133,7 +143,7 @@ def _measure(c: Config, mcfg, tokens, params) -> list:
     for name in progress.track(c.run.schedules, "executed_bubbles: schedules (compile, time, simulate)"):
         row = measure_schedule(name, mcfg, num_ranks=c.run.ranks, num_microbatches=c.run.microbatches,
                                params=params, tokens=tokens, repeats=c.run.repeats, op_repeats=c.run.op_repeats,
-                               processes=c.run.processes)
+                               processes=c.run.processes, cluster=c.run.cluster)
         rows.append(row)
         progress.note(f"{name}: measured {row.measured_makespan_ms:.1f} ms, simulated "
                       f"{row.simulated_makespan_ms:.1f} ms ({100 * row.makespan_error:+.1f}%)")
@@ -155,15 +165,14 @@ def run(c: Config, out_dir: str) -> Result:
     dicts = [r.as_dict() for r in rows]
     setup = {"backend": jax.default_backend(), "model": dataclasses.asdict(c.model), "scale": c.scale,
              "hidden_size": mcfg.hidden_size, "batch": list(shape), "rows_per_microbatch": c.batch.rows * c.scale,
-             "processes": c.run.processes}
+             "processes": c.run.processes, "cluster": c.run.cluster}
     plots = {r.schedule: f"{r.schedule}.png" for r in rows}
     with open(os.path.join(out_dir, "executed_bubbles.json"), "w") as f:
         json.dump({"headline": headline(rows), "setup": {**setup, "devices": [str(d) for d in
                    jax.devices()[:c.run.ranks]]}, "rows": dicts, "plots": plots}, f, indent=2, default=str)
     about = (f"Model {c.model.preset} x{c.scale} (hidden {mcfg.hidden_size}, {c.model.layers} layers), batch "
              f"{shape[0]} x {shape[1]} tokens ({c.batch.rows * c.scale} rows per micro-batch), one "
-             f"{setup['backend']} device per rank" + (", each rank a process of its own pinned to one core."
-                                                      if c.run.processes else ", every rank a thread of one process."))
+             f"{setup['backend']} device per rank" + _where(c.run))
     body = (f"{about}\n\n{report_table(rows)}\n{MEASURED_NOTE} Per-op costs (ms) and every step's makespan: "
             "[executed_bubbles.json](executed_bubbles.json).")
     return Result("Executed pipeline schedules: measured vs simulated bubbles", headline(rows),

@@ -106,7 +106,7 @@ class ExecutedRow:
 def measure_schedule(name, cfg, *, num_ranks: int = 2, num_microbatches: int = 8,
                      batch_shape=(16, 32), params=None, tokens=None, devices=None, repeats: int = 3,
                      op_repeats: int = 3, seed: int = 0, layers_per_stage=None, processes: bool = False,
-                     cores=None) -> ExecutedRow:
+                     cores=None, cluster: bool = False) -> ExecutedRow:
     """Build, compile and measure schedule ``name`` of model ``cfg`` (see the module docstring).
     ``name`` may also be a :class:`~pdjax.pipeline.Schedule` (e.g. from ``search``); then
     ``num_ranks`` and ``num_microbatches`` are the schedule's.
@@ -117,7 +117,9 @@ def measure_schedule(name, cfg, *, num_ranks: int = 2, num_microbatches: int = 8
     ``num_ranks`` devices, one per rank. ``repeats``: measured steps (the median makespan is
     kept; the lower middle one for an even count); ``op_repeats``: isolated runs of every op
     (medians). ``processes``: one process per rank, pinned to ``cores`` (default: one core
-    each, :class:`pdjax.pipeline.RankProcesses`), instead of one thread per rank here."""
+    each, :class:`pdjax.pipeline.RankProcesses`), instead of one thread per rank here.
+    ``cluster``: one process per rank in a ``jax.distributed`` launch, each running the
+    multi-controller executor (:mod:`pdjax.pipeline.executed_cluster`; ``cores`` as above)."""
     import jax
 
     from pdjax.model.transformer import init_params
@@ -133,6 +135,10 @@ def measure_schedule(name, cfg, *, num_ranks: int = 2, num_microbatches: int = 8
     if tokens is None:
         B, T = (check_int("batch_shape entry", v) for v in batch_shape)
         tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (B, T), dtype=np.int32)
+    if cluster:
+        return measure_in_cluster(schedule, cfg, params, tokens, repeats=check_int("repeats", repeats),
+                                  op_repeats=check_int("op_repeats", op_repeats), layers_per_stage=layers_per_stage,
+                                  cores=cores)
     if processes:
         from pdjax.pipeline.processes import RankProcesses
 
@@ -142,6 +148,42 @@ def measure_schedule(name, cfg, *, num_ranks: int = 2, num_microbatches: int = 8
         devices = jax.devices()[:num_ranks]
     ex = Executor(schedule, cfg, devices=devices, layers_per_stage=layers_per_stage, measure=True)
     return measure_executor(ex, params, tokens, repeats=repeats, op_repeats=op_repeats)
+
+
+def measure_in_cluster(schedule, cfg, params, tokens, *, repeats: int, op_repeats: int, layers_per_stage=None,
+                       cores=None, timeout_s: float = 900.0, stream=None):
+    """The :class:`ExecutedRow` of ``schedule`` measured with one process per rank of a
+    ``jax.distributed`` launch (:func:`pdjax.cluster.launch`), each pinned to its core
+    (``cores``; default the available cores in turn) and running the multi-controller
+    executor (:mod:`pdjax.pipeline.executed_cluster`). Ops are timed in isolation under a
+    lock of the machine; values between ranks cross with the transfer server, their time in
+    flight shows as idle time before the consuming op (the simulation gets ``comm = 0``)."""
+    import os
+    import pickle
+    import sys
+    import tempfile
+
+    import jax
+
+    from pdjax.cluster import launch
+    from pdjax.pipeline.processes import available_cores
+
+    n = schedule.num_ranks
+    if cores is None:
+        avail = available_cores()
+        cores = [avail[r % len(avail)] for r in range(n)]
+    with tempfile.TemporaryDirectory(prefix="pdjax-executed-") as tmp:
+        spec, out = os.path.join(tmp, "spec.pkl"), os.path.join(tmp, "row.pkl")
+        with open(spec, "wb") as f:
+            pickle.dump(dict(schedule=schedule, cfg=cfg, params=jax.tree.map(np.asarray, params),
+                             tokens=np.asarray(tokens), repeats=repeats, op_repeats=op_repeats,
+                             layers_per_stage=layers_per_stage, cores=[int(c) for c in cores]), f)
+        config = {name.upper(): str(value) for name in ("jax_default_matmul_precision", "jax_compilation_cache_dir")
+                  if (value := getattr(jax.config, name, None)) is not None}
+        launch([sys.executable, "-m", "pdjax.pipeline.executed_cluster", spec, out], n, 1, timeout_s=timeout_s,
+               env=config, stream=stream)
+        with open(out, "rb") as f:
+            return pickle.load(f)
 
 
 def measure_executor(ex, params, tokens, *, repeats: int = 3, op_repeats: int = 3) -> ExecutedRow:
@@ -239,9 +281,9 @@ def _row(schedule, shape, measured, peak, simulated, costs, op_costs, makespans)
 def plot_pair(row: ExecutedRow, path=None, dpi: int = 120):
     """The measured (top) and simulated (bottom) Gantt charts of ``row`` on one time axis
     (ms); saved to ``path`` (.png, .svg or .pdf) when given. Returns the matplotlib
-    ``Figure`` (built without pyplot, so no global figure state is touched)."""
-    from matplotlib.figure import Figure
-
+    ``Figure`` (built without pyplot, so no global figure state is touched; a
+    :class:`pdjax.schedules.Figure`, so a notebook shows it)."""
+    from pdjax.schedules.figure import Figure
     from pdjax.schedules.gantt import draw
 
     ranks = row.ranks

@@ -346,26 +346,28 @@ class Executor:
     # ---- measurement -----------------------------------------------------------------------------
     def measure_ops(self, params, tokens, repeats: int = 3):
         """Per-op durations measured in isolation: the schedule is run ``repeats`` times with
-        one op at a time across all ranks (a global lock), each op's inputs ready before its
-        clock starts and its outputs ready when it stops. Returns
+        one op at a time across all ranks (a global lock; ranks in several processes: a lock
+        of the machine, :class:`pdjax.cluster.lock.MachineLock`), each op's inputs ready before
+        its clock starts and its outputs ready when it stops. Returns
         :class:`pdjax.schedules.measured.OpCosts` (medians per op kind and stage, in ms, and
         the dispatch overhead: the time a compiled call takes to return)."""
         from pdjax.schedules.measured import OpCosts
 
         if not isinstance(repeats, int) or repeats < 1:
             raise ValueError(f"repeats must be a positive int, got {repeats!r}")
-        if self.spanning is not None:
-            raise NotImplementedError("measure_ops runs one op at a time over every rank; with ranks in several "
-                                      "processes use pdjax.pipeline.RankProcesses, which does that over processes")
         self.check_params(params)
         tokens = self.check_batch(tokens)
         staged = self.place(params)
+        lock = True if self.spanning is None else self.spanning.machine_lock()
         measure, self.measure = self.measure, True
         try:       # the isolated runs are not steps: the last step's measurements stay
             samples, dispatch = {}, []
             for _ in range(repeats):
-                run = self._step(staged, tokens, isolated=True)
-                run.go()
+                run = self._step(staged, tokens, isolated=lock)
+                if self.spanning is None:
+                    run.go()
+                else:
+                    self.spanning.run(run)
                 for r, ops in enumerate(self.schedule.ops):
                     for op, s, e, d in zip(ops, run.starts[r], run.ends[r], run.dispatch[r]):
                         samples.setdefault(OpCosts.key(op), []).append(e - s)

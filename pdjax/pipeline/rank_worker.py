@@ -7,7 +7,6 @@ control connection, and exchanges values with its peers (see the transports in
 
 from __future__ import annotations
 
-import fcntl
 import os
 import pickle
 import queue
@@ -17,19 +16,8 @@ import time
 
 import numpy as np
 
+from pdjax.cluster.lock import MachineLock
 
-
-class _FileLock:
-    """A lock shared by processes (``flock`` on one file): one op at a time, machine-wide."""
-
-    def __init__(self, path: str):
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-
-    def acquire(self):
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-
-    def release(self):
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
 
 
 # ---- the worker ------------------------------------------------------------------------------
@@ -105,7 +93,7 @@ class _Worker:
         self.server = start_transfer_server([self.dev])
         self.sender = ArraySender(self.server, ttl_s=spec["timeout_s"])
         self.listener = listen()
-        self.lock = _FileLock(os.path.join(run_dir, "ops.lock"))
+        self.lock = MachineLock(os.path.join(run_dir, "ops.lock"))
         self.peers_out: dict = {}
         self.peer_transfer: dict = {}
         self._receivers: dict = {}

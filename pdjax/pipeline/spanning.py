@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import secrets
 import socket
 
@@ -87,6 +88,7 @@ class Spanning:
         nonce = np.array(secrets.randbits(24), np.int64)
         self.nonce = int(multihost_utils.broadcast_one_to_all(nonce))
         self.steps = 0
+        self._lock = None
         # one device per process (its first rank's first device): where the step's results live
         leads = {}
         for rank in ex.ranks:
@@ -98,6 +100,17 @@ class Spanning:
         self._sum = jax.jit(lambda t: jax.tree.map(lambda a: a.sum(0), t), out_shardings=self.replicated)
 
     # ---- values between processes ------------------------------------------------------------
+    def machine_lock(self):
+        """The lock isolated op timing holds around each op: one per machine for this
+        executor (its processes on one host share it)."""
+        import tempfile
+
+        from pdjax.cluster.lock import MachineLock
+
+        if self._lock is None:
+            self._lock = MachineLock(os.path.join(tempfile.gettempdir(), f"pdjax-pipeline-ops-{self.nonce}.lock"))
+        return self._lock
+
     def uuid(self, key) -> int:
         kind, stage, mb = key
         if stage >> _STAGE_BITS or mb >> _MB_BITS:
@@ -135,7 +148,7 @@ class Spanning:
         for m in sorted(run.losses):
             loss = loss + jax.device_put(run.losses[m], self.lead)
         if self.ex.measure:
-            self.gather_measurements(run)
+            self.gather_measurements(run, name)
         return loss, run.acc
 
     # ---- results --------------------------------------------------------------------------------
@@ -159,31 +172,30 @@ class Spanning:
             return jax.make_array_from_single_device_arrays((n, *a.shape[1:]), self._stacked, [a])
         return self._sum(jax.tree.map(stack, (loss, partial_grads)))
 
-    def gather_measurements(self, run):
-        """Every rank's op times, every process's peaks and per-stage bytes (collective)."""
-        ex = self.ex
-        sched = ex.schedule
-        base = 0.0 if self.one_host else run.t0
-        rows = []
-        for r, ops in enumerate(sched.ops):
-            here = r in self.local
-            starts = run.starts[r] + (run.t0 - base) * 1e3 if here else np.zeros(len(ops))
-            ends = run.ends[r] + (run.t0 - base) * 1e3 if here else np.zeros(len(ops))
-            rows.append(np.stack([starts, ends]))
-        flat = np.concatenate([x.ravel() for x in rows] + [run.peak] +
-                              [run.stage_memory[k] for k in ("F", "I", "I_free")])
-        total = np.asarray(multihost_utils.process_allgather(flat)).sum(axis=0)
-        pos = 0
-        for r, ops in enumerate(sched.ops):
-            k = len(ops)
-            run.starts[r], run.ends[r] = total[pos:pos + k].copy(), total[pos + k:pos + 2 * k].copy()
-            pos += 2 * k
-        run.peak = total[pos:pos + sched.num_ranks].copy()
-        pos += sched.num_ranks
-        for k in ("F", "I", "I_free"):
-            run.stage_memory[k] = total[pos:pos + sched.num_stages].copy()
-            pos += sched.num_stages
-
+    def gather_measurements(self, run, name: str):
+        """Every rank's op times (and dispatch times), every process's peaks and per-stage
+        bytes, through the cluster's key-value store (exact float64 as JSON; jax's own
+        gathers run in float32 unless x64 is on, too coarse for clock readings and bytes)."""
+        sched = self.ex.schedule
+        offset = (run.t0 if self.one_host else 0.0) * 1e3     # on one host: absolute times
+        mine = {"ranks": {r: [(run.starts[r] + offset).tolist(), (run.ends[r] + offset).tolist(),
+                              run.dispatch[r].tolist()] for r in self.local},
+                "peak": run.peak.tolist(), "stage_memory": {k: v.tolist() for k, v in run.stage_memory.items()}}
+        me, n = jax.process_index(), self.mesh.size
+        store.put(f"{name}/measured/{me}", json.dumps(mine))
+        parts = [mine if p == me else json.loads(store.get(f"{name}/measured/{p}", self.ex.timeout_s))
+                 for p in range(n)]
+        for part in parts:
+            for r, (starts, ends, dispatch) in part["ranks"].items():
+                run.starts[int(r)], run.ends[int(r)], run.dispatch[int(r)] = (np.asarray(v, float)
+                                                                                for v in (starts, ends, dispatch))
+        base = min((float(st.min()) for st in run.starts if st.size), default=0.0)
+        run.t0 = 0.0
+        for r in range(sched.num_ranks):          # times from the first op's start, on every process
+            run.starts[r], run.ends[r] = run.starts[r] - base, run.ends[r] - base
+        run.peak = np.sum([part["peak"] for part in parts], axis=0)
+        run.stage_memory = {k: np.sum([part["stage_memory"][k] for part in parts], axis=0)
+                            for k in run.stage_memory}
 
 
 def _offered(uuid: int) -> str:

@@ -1,0 +1,38 @@
+"""The process of :func:`pdjax.pipeline.executed.measure_in_cluster` (``python -m
+pdjax.pipeline.executed_cluster SPEC OUT``, one per rank of a ``jax.distributed`` launch):
+pinned to its rank's CPU core, it joins the cluster, builds the multi-controller
+:class:`~pdjax.pipeline.Executor` over every process's device (:mod:`pdjax.pipeline.spanning`)
+and measures the schedule; process 0 writes the row."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+
+
+def _main(spec_path: str, out: str) -> None:
+    with open(spec_path, "rb") as f:
+        spec = pickle.load(f)
+    me = int(os.environ.get("PDJAX_PROCESS_ID", "0"))
+    os.sched_setaffinity(0, {spec["cores"][me]})     # before jax starts a thread: they all inherit it
+    import dataclasses
+
+    import jax
+
+    import pdjax
+    from pdjax.pipeline.executed import measure_executor
+    from pdjax.pipeline.executor import Executor
+
+    pdjax.cluster.initialize()
+    ex = Executor(spec["schedule"], spec["cfg"], devices=jax.devices(), layers_per_stage=spec["layers_per_stage"],
+                  measure=True)
+    params = jax.device_put(spec["params"], ex.replicated)
+    row = measure_executor(ex, params, spec["tokens"], repeats=spec["repeats"], op_repeats=spec["op_repeats"])
+    if jax.process_index() == 0:
+        with open(out, "wb") as f:
+            pickle.dump(dataclasses.replace(row, mode="cluster"), f)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1], sys.argv[2])
