@@ -21,8 +21,8 @@ import numpy as np
 
 from pdjax.config import PARAM_DTYPES, ModelConfig, dtype_name, load_hf_config
 # the safetensors files live in hf_files; importable here
-from pdjax.model.hf_files import (FP8_BLOCK, SafetensorsFile, _dequant_fp8, open_checkpoint,  # noqa: F401
-                                  write_safetensors)
+from pdjax.model.hf_files import (FP8_BLOCK, Deferred, DeferredStack, SafetensorsFile, _dequant_fp8,  # noqa: F401
+                                  _getter, _host, open_checkpoint, write_safetensors)
 from pdjax.model.params import init_params, placement
 
 
@@ -74,30 +74,6 @@ def _mlp_names(t, prefix, D, F):
     t[prefix + "gate_proj.weight"] = (F, D)
     t[prefix + "up_proj.weight"] = (F, D)
     t[prefix + "down_proj.weight"] = (D, F)
-
-
-class Deferred:
-    """A param not read yet: ``read(index)`` returns the part at ``index`` (a tuple of slices,
-    as ``jax.make_array_from_callback`` passes) as a numpy array; ``read()`` all of it."""
-
-    def __init__(self, make):
-        self.make = make
-
-    def read(self, index=()):
-        return np.asarray(self.make())[tuple(index)]
-
-
-class DeferredStack(Deferred):
-    """Per-expert params stacked on axis 0, read expert by expert: a part whose first slice
-    covers some experts reads only theirs."""
-
-    def __init__(self, parts):
-        self.parts = parts
-
-    def read(self, index=()):
-        index = tuple(index)
-        first, rest = (index[0], index[1:]) if index else (slice(None), ())
-        return np.stack([self.parts[e].read(rest) for e in range(len(self.parts))[first]])
 
 
 def _mlp_from_hf(get, prefix, leaf):
@@ -242,39 +218,36 @@ def _stored_dtype(path: str, readers: dict, where: dict):
     return stored
 
 
-def _getter(readers: dict, where: dict):
-    """``get(hf_name)``: the tensor as stored, block-FP8 dequantised."""
-    def get(name):
-        w = readers[where[name]].get(name)
-        scale = name + "_scale_inv"
-        if scale in where:
-            w = _dequant_fp8(w, readers[where[scale]].get(scale))
-        return w
-    return get
+def _index_key(index) -> tuple:
+    """A hashable key of a ``make_array_from_callback`` index (a tuple of slices)."""
+    return tuple((s.start, s.stop, s.step) if isinstance(s, slice) else s for s in index)
 
 
-def _host(x, like):
-    """An owned array in the param's dtype, never a view of a file."""
-    x = np.asarray(x)
-    if x.dtype != like.dtype:
-        return x.astype(like.dtype)
-    return x if x.flags.owndata else x.copy()
+def _place(d, like, sharding):
+    """One param as a global array in ``sharding``: each distinct part this process's devices
+    hold is read once (a replicated tensor once, an expert part once for all the devices
+    that replicate it) and no part another process holds is read. Never a cross-process
+    collective: ``jax.device_put`` of a host array to a multi-process sharding would gather
+    the whole tensor from every process to check it is the same everywhere."""
+    parts: dict = {}
+
+    def read(index):
+        key = _index_key(index)
+        if key not in parts:
+            parts[key] = _host(d.read(index), like)
+        return parts[key]
+    return jax.make_array_from_callback(like.shape, sharding, read)
 
 
 def _materialise(cfg: ModelConfig, lazy, mesh, rules):
-    """Read the :class:`Deferred` params onto the default device or, with a mesh, each straight
-    into its sharding (a sharded tensor part by part, each device reading only its part)."""
+    """Read the :class:`Deferred` params onto the default device or, with a mesh (one process's
+    devices or many processes'), each straight into its sharding by :func:`_place`."""
     # shapes and dtypes (router_bias float32) of the params, from the model's own definition
-    shapes = jax.eval_shape(lambda key: init_params(cfg, key), jax.random.key(0))
+    # (traced, so nothing is computed: the load runs no program, hence no collective)
+    shapes = jax.eval_shape(lambda key: init_params(cfg, key), jax.eval_shape(jax.random.key, 0))
     if mesh is None:
         return jax.tree.map(lambda d, like: jnp.asarray(_host(d.read(), like)), lazy, shapes)
-
-    def place(d, like, sharding):
-        if sharding.is_fully_replicated:
-            return jax.device_put(_host(d.read(), like), sharding)
-        return jax.make_array_from_callback(like.shape, sharding, lambda index: _host(d.read(index), like))
-
-    return jax.tree.map(place, lazy, shapes, placement(shapes, cfg, mesh, rules))
+    return jax.tree.map(_place, lazy, shapes, placement(shapes, cfg, mesh, rules))
 
 
 def load_hf(path: str, dtype=None, *, mesh=None, rules=None):
@@ -286,10 +259,12 @@ def load_hf(path: str, dtype=None, *, mesh=None, rules=None):
     ``mesh`` (a jax.sharding.Mesh, with optional ``rules``: :class:`pdjax.parallel.ShardingRules`
     or any :class:`pdjax.model.sharding.AxisRules`, mapping the logical axes the model declares
     for every weight): the params are placed as :func:`pdjax.parallel.shard_params` would place them, straight
-    from the files: a sharded tensor is made with ``jax.make_array_from_callback`` and each
-    device reads only its part (e.g. only its experts), a replicated one is read once. Without
-    a mesh they go to the default device. Host memory holds one tensor (or one device's part)
-    at a time beyond the memory-mapped files.
+    from the files with ``jax.make_array_from_callback``: each process reads only the parts
+    its own devices hold (e.g. only its experts), each distinct part once, a replicated tensor
+    once, and never one another process holds; the mesh may span processes
+    (``jax.distributed``, :mod:`pdjax.cluster`), with no collective during the load. Without
+    a mesh they go to the default device. Host memory holds one tensor (or its parts) at a
+    time beyond the memory-mapped files.
 
     Raises ValueError naming the tensor for any missing or unexpected tensor or shape
     mismatch, and naming the file for a truncated or corrupt safetensors file, before any
@@ -321,34 +296,86 @@ def save_hf(path: str, params, cfg: ModelConfig, max_shard_bytes: int | None = N
 
 
 # ---- orbax -------------------------------------------------------------------------------
+# A checkpoint written by N processes (each writes the shards it holds, its own
+# ``ocdbt.process_i``; several hosts need a shared filesystem) restores in M processes: the
+# target says the shapes, dtypes and shardings, orbax reads whatever parts each process needs.
+
+def _replicated_everywhere():
+    """Replicated over every device of the cluster: each process holds the whole array."""
+    return jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(jax.devices()), ("all",)),
+                                      jax.sharding.PartitionSpec())
+
+
+def _default_sharding():
+    """Where a restored array goes when nothing says: the default device in one process,
+    replicated over the cluster's devices in several (so every process holds it)."""
+    if jax.process_count() == 1:
+        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return _replicated_everywhere()
+
+
+def _global(x):
+    """A leaf orbax can write from every process: a jax array held by this process alone (a
+    scalar step, an unsharded array) becomes the same array replicated over the cluster; it
+    must hold the same value in every process. Global arrays and host values pass as they are."""
+    if jax.process_count() == 1 or not isinstance(x, jax.Array) or not x.is_fully_addressable:
+        return x
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, _replicated_everywhere(), lambda index: host[index])
+
 
 def save_params(path: str, params) -> None:
-    """Save a params pytree with orbax (path must not exist)."""
+    """Save a params pytree with orbax (path must not exist). In a cluster every process calls
+    it with the same tree of global arrays (e.g. sharded over a mesh spanning the processes,
+    as :func:`load_hf` and ``init_params`` make them) and writes the shards it holds; a jax
+    array held by one process only (a scalar) is saved replicated (the same value everywhere)."""
     import orbax.checkpoint as ocp
 
+    params = jax.tree.map(_global, params)
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(os.path.abspath(path), params)
         ckptr.wait_until_finished()
 
 
+def _target(x, sharding):
+    """The restore target of one leaf: a ShapeDtypeStruct in ``sharding`` (else the leaf's
+    own, else :func:`_default_sharding`); a Python scalar as it is."""
+    if not hasattr(x, "shape"):
+        return x
+    sharding = sharding or getattr(x, "sharding", None) or _default_sharding()
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+def _saved_like(ckptr, path: str):
+    """The saved tree with shapes and dtypes, from the checkpoint's metadata; scalars as
+    scalars of their dtype."""
+    import orbax.checkpoint as ocp
+
+    tree = ckptr.metadata(path).item_metadata.tree
+    return jax.tree.map(lambda m: np.zeros((), m.dtype).item() if isinstance(m, ocp.metadata.ScalarMetadata)
+                        else jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), tree,
+                        is_leaf=lambda m: isinstance(m, ocp.metadata.Metadata))
+
+
 def restore_params(path: str, like=None, sharding=None):
-    """Restore params saved by :func:`save_params`.
+    """Restore params saved by :func:`save_params`, by any number of processes (N processes'
+    checkpoint in M; in a cluster every process calls it).
 
     ``like``: a params pytree (or of jax.ShapeDtypeStruct) giving structure, shapes and
-    dtypes; ``sharding``: a single jax.sharding.Sharding or a pytree of them matching
-    ``like``, the placement of the restored arrays (default: as ``like`` is placed, else
-    the default device).
+    dtypes (default: the checkpoint's own); ``sharding``: a single jax.sharding.Sharding or a
+    pytree of them matching ``like``, the placement of the restored arrays, e.g.
+    ``pdjax.parallel.param_shardings(like, cfg, mesh)`` on a mesh spanning processes (each
+    process then reads only the parts its devices hold). Default: as ``like`` is placed,
+    else the default device (in a cluster: replicated over every device).
     """
     import orbax.checkpoint as ocp
 
-    if like is None:
-        with ocp.StandardCheckpointer() as ckptr:
-            return ckptr.restore(os.path.abspath(path))
-    if sharding is None:
-        sharding = jax.tree.map(lambda x: getattr(x, "sharding", None) or
-                                jax.sharding.SingleDeviceSharding(jax.devices()[0]), like)
-    elif isinstance(sharding, jax.sharding.Sharding):
-        sharding = jax.tree.map(lambda _: sharding, like)
-    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), like, sharding)
+    path = os.path.abspath(path)
     with ocp.StandardCheckpointer() as ckptr:
-        return ckptr.restore(os.path.abspath(path), target)
+        if like is None:
+            like = _saved_like(ckptr, path)
+        if sharding is None or isinstance(sharding, jax.sharding.Sharding):
+            target = jax.tree.map(lambda x: _target(x, sharding), like)
+        else:
+            target = jax.tree.map(_target, like, sharding)
+        return ckptr.restore(path, target)

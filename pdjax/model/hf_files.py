@@ -1,5 +1,6 @@
 """Safetensors files: reading them memory-mapped and checked (any dtype ml_dtypes knows:
-bf16, fp8; block-FP8 dequantisation) and writing them, single or sharded with an index."""
+bf16, fp8; block-FP8 dequantisation), lazily (a param read whole or part by part, only
+when asked), and writing them, single or sharded with an index."""
 
 from __future__ import annotations
 
@@ -106,6 +107,51 @@ def open_checkpoint(path: str) -> tuple[dict, dict]:
                 raise ValueError(f"tensor {name} appears in both {where[name]} and {file}")
             where[name] = file
     return readers, where
+
+
+# ---- reading params lazily ------------------------------------------------------------------
+
+class Deferred:
+    """A param not read yet: ``read(index)`` returns the part at ``index`` (a tuple of slices,
+    as ``jax.make_array_from_callback`` passes) as a numpy array; ``read()`` all of it."""
+
+    def __init__(self, make):
+        self.make = make
+
+    def read(self, index=()):
+        return np.asarray(self.make())[tuple(index)]
+
+
+class DeferredStack(Deferred):
+    """Per-expert params stacked on axis 0, read expert by expert: a part whose first slice
+    covers some experts reads only theirs."""
+
+    def __init__(self, parts):
+        self.parts = parts
+
+    def read(self, index=()):
+        index = tuple(index)
+        first, rest = (index[0], index[1:]) if index else (slice(None), ())
+        return np.stack([self.parts[e].read(rest) for e in range(len(self.parts))[first]])
+
+
+def _getter(readers: dict, where: dict):
+    """``get(hf_name)``: the tensor as stored, block-FP8 dequantised."""
+    def get(name):
+        w = readers[where[name]].get(name)
+        scale = name + "_scale_inv"
+        if scale in where:
+            w = _dequant_fp8(w, readers[where[scale]].get(scale))
+        return w
+    return get
+
+
+def _host(x, like):
+    """An owned array in the param's dtype, never a view of a file."""
+    x = np.asarray(x)
+    if x.dtype != like.dtype:
+        return x.astype(like.dtype)
+    return x if x.flags.owndata else x.copy()
 
 
 def write_safetensors(path: str, tensors: dict, max_shard_bytes: int | None = None) -> None:
