@@ -13,6 +13,8 @@ import math
 import os
 from typing import Any, Mapping, Optional
 
+from pdjax.arguments import ArgumentTypeError, check_int, check_number
+
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
@@ -54,6 +56,17 @@ class RopeScaling:
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
     rope_type: str = "yarn"
+
+    def __post_init__(self):
+        for name in ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+            object.__setattr__(self, name, float(check_number(f"rope_scaling.{name}", getattr(self, name))))
+        object.__setattr__(self, "original_max_position_embeddings",
+                           check_int("rope_scaling.original_max_position_embeddings",
+                                     self.original_max_position_embeddings))
+        if not isinstance(self.rope_type, str):
+            raise ArgumentTypeError(f"rope_scaling.rope_type must be a string, got {self.rope_type!r}")
+        if self.factor <= 0:
+            raise ValueError(f"rope_scaling.factor must be > 0, got {self.factor}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -117,6 +130,7 @@ class ModelConfig:
     cache_dtype: Optional[str] = None
 
     def __post_init__(self):
+        _check_types(self)
         if isinstance(self.rope_scaling, Mapping):
             object.__setattr__(self, "rope_scaling", _rope_scaling_from_dict(dict(self.rope_scaling)))
         for field, allowed in (("param_dtype", PARAM_DTYPES), ("compute_dtype", COMPUTE_DTYPES),
@@ -196,6 +210,41 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 0.1 * mscale * math.log(scale) + 1.0
 
 
+INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+              "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "n_group", "topk_group",
+              "first_k_dense_replace", "moe_layer_freq", "max_position_embeddings")
+FLOAT_FIELDS = ("routed_scaling_factor", "rope_theta", "rms_norm_eps")
+BOOL_FIELDS = ("norm_topk_prob", "tie_word_embeddings")
+STR_FIELDS = ("scoring_func", "topk_method", "model_type")
+
+
+def _check_types(cfg) -> None:
+    """Every field of its type, never coerced: integers (numpy integers too, stored as int;
+    not floats such as 8.0, not bools), finite reals (stored as float; not NaN or inf, not
+    strings), bools (not the string "false"), strings. ArgumentTypeError (a TypeError and a
+    ValueError) or ValueError naming the field; ranges and relations are :func:`validate`'s."""
+    import numpy as np
+
+    def put(name, value):
+        object.__setattr__(cfg, name, value)
+
+    for name in INT_FIELDS:
+        put(name, check_int(f"ModelConfig.{name}", getattr(cfg, name), minimum=None))
+    if cfg.q_lora_rank is not None:
+        put("q_lora_rank", check_int("ModelConfig.q_lora_rank", cfg.q_lora_rank, minimum=None))
+    for name in FLOAT_FIELDS:
+        put(name, float(check_number(f"ModelConfig.{name}", getattr(cfg, name))))
+    for name in BOOL_FIELDS:
+        value = getattr(cfg, name)
+        if not isinstance(value, (bool, np.bool_)):
+            raise ArgumentTypeError(f"ModelConfig.{name} must be a bool (true/false), got {value!r}")
+        put(name, bool(value))
+    for name in STR_FIELDS:
+        if not isinstance(getattr(cfg, name), str):
+            raise ArgumentTypeError(f"ModelConfig.{name} must be a string, got {getattr(cfg, name)!r}")
+
+
 def _positive(cfg, names):
     for name in names:
         v = getattr(cfg, name)
@@ -247,6 +296,8 @@ def validate(cfg: ModelConfig) -> None:
         raise ValueError(f"ModelConfig.topk_method must be one of {TOPK_METHODS}, got {cfg.topk_method!r}")
     if cfg.rms_norm_eps <= 0:
         raise ValueError(f"ModelConfig.rms_norm_eps must be > 0, got {cfg.rms_norm_eps}")
+    if cfg.routed_scaling_factor <= 0:
+        raise ValueError(f"ModelConfig.routed_scaling_factor must be > 0, got {cfg.routed_scaling_factor}")
     if cfg.rope_theta <= 0:
         raise ValueError(f"ModelConfig.rope_theta must be > 0, got {cfg.rope_theta}")
     if cfg.model_type not in ("deepseek_v2", "deepseek_v3"):
@@ -268,19 +319,24 @@ _ROPE_FIELDS = {f.name for f in dataclasses.fields(RopeScaling)}
 
 
 def _rope_scaling_from_dict(d: dict) -> RopeScaling:
+    """A RopeScaling from a config's dict: every key known (a typo such as "factr" is an
+    error, not a default), every value present (``factor: null`` is an error, not 1.0) and
+    typed (RopeScaling checks them). ``truncate`` (transformers' YaRN knob) may only say what
+    DeepSeek does: true."""
     d = dict(d)
     kind = d.pop("rope_type", None) or d.pop("type", None) or "yarn"
     d.pop("type", None)
     d.pop("rope_theta", None)
+    if d.pop("truncate", True) is not True:
+        raise ValueError("ModelConfig.rope_scaling.truncate must be true (DeepSeek's YaRN truncates), got "
+                         "another value")
     unknown = sorted(set(d) - _ROPE_FIELDS)
-    kept = {k: v for k, v in d.items() if k in _ROPE_FIELDS and v is not None}
-    for k in ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
-        if k in kept:
-            kept[k] = float(kept[k])
-    if "original_max_position_embeddings" in kept:
-        kept["original_max_position_embeddings"] = int(kept["original_max_position_embeddings"])
-    del unknown  # extra YaRN knobs (e.g. 'truncate') are ignored; DeepSeek always truncates
-    return RopeScaling(rope_type=kind, **kept)
+    if unknown:
+        raise ValueError(f"ModelConfig.rope_scaling has unknown key(s) {unknown}; known: {sorted(_ROPE_FIELDS)}")
+    missing = sorted(k for k, v in d.items() if v is None)
+    if missing:
+        raise ValueError(f"ModelConfig.rope_scaling.{missing[0]} must be a number, got None")
+    return RopeScaling(rope_type=kind, **d)
 
 
 _FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -310,7 +366,7 @@ def from_hf_dict(d: Mapping[str, Any]) -> ModelConfig:
     kwargs["model_type"] = model_type
     kwargs["rope_scaling"] = _rope_scaling_from_dict(rope_scaling) if rope_scaling else None
     if rope_theta is not None:
-        kwargs["rope_theta"] = float(rope_theta)
+        kwargs["rope_theta"] = rope_theta
     if kwargs.get("n_routed_experts") is None:
         kwargs["n_routed_experts"] = 0
     if kwargs.get("n_shared_experts") is None:
