@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pdjax.config import PARAM_DTYPES, ModelConfig, dtype_name, load_hf_config
+# the checks of a checkpoint against its config live in hf_checks; expected_tensors importable here
+from pdjax.model.hf_checks import check_checkpoint, expected_tensors, mtp_layer_count, stored_dtype  # noqa: F401
 # the safetensors files live in hf_files; importable here
 from pdjax.model.hf_files import (FP8_BLOCK, Deferred, DeferredStack, SafetensorsFile, _dequant_fp8,  # noqa: F401
                                   _getter, _host, open_checkpoint, write_safetensors)
@@ -27,54 +29,6 @@ from pdjax.model.params import init_params, placement
 
 
 # ---- the name map -------------------------------------------------------------------------
-
-def _lin(name, out_dim, in_dim):
-    return name, (out_dim, in_dim)
-
-
-def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a checkpoint of ``cfg`` must hold (MTP layers excluded), with HF shapes."""
-    D, H, V = cfg.hidden_size, cfg.num_attention_heads, cfg.vocab_size
-    K, R, C, Vh = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
-    t = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
-    if not cfg.tie_word_embeddings:
-        t["lm_head.weight"] = (V, D)
-    for i in range(cfg.num_hidden_layers):
-        a = f"model.layers.{i}."
-        t[a + "input_layernorm.weight"] = (D,)
-        t[a + "post_attention_layernorm.weight"] = (D,)
-        s = a + "self_attn."
-        if cfg.q_lora_rank is None:
-            t[s + "q_proj.weight"] = (H * (K + R), D)
-        else:
-            Q = cfg.q_lora_rank
-            t[s + "q_a_proj.weight"] = (Q, D)
-            t[s + "q_a_layernorm.weight"] = (Q,)
-            t[s + "q_b_proj.weight"] = (H * (K + R), Q)
-        t[s + "kv_a_proj_with_mqa.weight"] = (C + R, D)
-        t[s + "kv_a_layernorm.weight"] = (C,)
-        t[s + "kv_b_proj.weight"] = (H * (K + Vh), C)
-        t[s + "o_proj.weight"] = (D, H * Vh)
-        m = a + "mlp."
-        if cfg.is_moe_layer(i):
-            F, E = cfg.moe_intermediate_size, cfg.n_routed_experts
-            t[m + "gate.weight"] = (E, D)
-            if cfg.topk_method == "noaux_tc":
-                t[m + "gate.e_score_correction_bias"] = (E,)
-            for e in range(E):
-                _mlp_names(t, f"{m}experts.{e}.", D, F)
-            if cfg.n_shared_experts:
-                _mlp_names(t, m + "shared_experts.", D, F * cfg.n_shared_experts)
-        else:
-            _mlp_names(t, m, D, cfg.intermediate_size)
-    return t
-
-
-def _mlp_names(t, prefix, D, F):
-    t[prefix + "gate_proj.weight"] = (F, D)
-    t[prefix + "up_proj.weight"] = (F, D)
-    t[prefix + "down_proj.weight"] = (D, F)
-
 
 def _mlp_from_hf(get, prefix, leaf):
     return {"w_gate": leaf(lambda: get(prefix + "gate_proj.weight").T),
@@ -183,41 +137,6 @@ def params_to_tensors(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
 
 # ---- loading ----------------------------------------------------------------------------
 
-def _check_names(cfg: ModelConfig, path: str, readers: dict, where: dict) -> list[str]:
-    """Raise ValueError naming the first unexpected or missing tensor or shape mismatch;
-    return the multi-token-prediction tensors (layers >= num_hidden_layers), to skip."""
-    expected = expected_tensors(cfg)
-    mtp, unexpected = [], []
-    for name in where:
-        if name in expected or name.endswith("weight_scale_inv") or name.endswith("rotary_emb.inv_freq"):
-            continue
-        parts = name.split(".")
-        if name.startswith("model.layers.") and int(parts[2]) >= cfg.num_hidden_layers:
-            mtp.append(name)
-        else:
-            unexpected.append(name)
-    if unexpected:
-        raise ValueError(f"unexpected tensor {unexpected[0]} in checkpoint {path} "
-                         f"({len(unexpected)} unexpected in all)")
-    missing = [n for n in expected if n not in where]
-    if missing:
-        raise ValueError(f"missing tensor {missing[0]} in checkpoint {path} ({len(missing)} missing in all)")
-    for name, shape in expected.items():
-        stored = tuple(readers[where[name]].header[name]["shape"])
-        if stored != shape:
-            raise ValueError(f"tensor {name} has shape {stored}, expected {shape}")
-    return mtp
-
-
-def _stored_dtype(path: str, readers: dict, where: dict):
-    """The dtype of the checkpoint's embedding, which must be a param dtype."""
-    stored = readers[where["model.embed_tokens.weight"]].header["model.embed_tokens.weight"]["np_dtype"]
-    if stored.name not in PARAM_DTYPES:
-        raise ValueError(f"checkpoint {path} stores its embedding as {stored.name}; pass load_hf(..., "
-                         f"dtype=) one of {PARAM_DTYPES}")
-    return stored
-
-
 def _index_key(index) -> tuple:
     """A hashable key of a ``make_array_from_callback`` index (a tuple of slices)."""
     return tuple((s.start, s.stop, s.step) if isinstance(s, slice) else s for s in index)
@@ -266,16 +185,27 @@ def load_hf(path: str, dtype=None, *, mesh=None, rules=None):
     a mesh they go to the default device. Host memory holds one tensor (or its parts) at a
     time beyond the memory-mapped files.
 
-    Raises ValueError naming the tensor for any missing or unexpected tensor or shape
-    mismatch, and naming the file for a truncated or corrupt safetensors file, before any
-    tensor is read. Multi-token-prediction layers (index >= num_hidden_layers) are skipped
-    with a warning.
+    Before any tensor is read, raises ValueError naming the file, the tensor and the problem
+    for a safetensors header the format does not allow (:class:`pdjax.model.hf_files.SafetensorsFile`),
+    and naming the tensor or config.json field for a checkpoint that disagrees with its
+    config.json (:mod:`pdjax.model.hf_checks`): layer or routed-expert counts, a missing or
+    unexpected tensor, a shape, a stored dtype that is not a float (block-FP8 only with its
+    ``weight_scale_inv``). The ``num_nextn_predict_layers`` multi-token-prediction layers
+    config.json declares after the decoder's are skipped with a warning.
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a checkpoint directory (str or os.PathLike), got {path!r}")
+    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh (pdjax.parallel.make_mesh) or None, got {type(mesh).__name__}")
+    if dtype is not None:
+        dtype_name(dtype, "load_hf dtype", PARAM_DTYPES)        # before reading anything
+    path = os.fspath(path)
     cfg = load_hf_config(path)
+    nextn = mtp_layer_count(path)
     readers, where = open_checkpoint(path)
-    mtp = _check_names(cfg, path, readers, where)
+    mtp = check_checkpoint(cfg, path, readers, where, nextn)
     if dtype is None:
-        dtype = _stored_dtype(path, readers, where)
+        dtype = stored_dtype(path, readers, where)
     cfg = cfg.replace(param_dtype=dtype_name(dtype, "load_hf dtype", PARAM_DTYPES))
     if mtp:
         layers = sorted({int(n.split('.')[2]) for n in mtp})

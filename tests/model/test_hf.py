@@ -148,6 +148,9 @@ def test_missing_unexpected_and_misshapen_tensors(tmp_path):
 def test_mtp_layers_skipped_with_warning(tmp_path):
     src = _copy("deepseek_v2_tiny", tmp_path)
     _rewrite(src, lambda t: t.update({"model.layers.3.eh_proj.weight": np.zeros((2, 2), np.float32)}))
+    # only the multi-token-prediction layers config.json declares may follow the decoder's
+    (src / "config.json").write_text(json.dumps({**json.load(open(src / "config.json")),
+                                                  "num_nextn_predict_layers": 1}))
     with pytest.warns(UserWarning, match="multi-token-prediction layers \\[3\\]"):
         pdjax.load_hf(str(src))
 
