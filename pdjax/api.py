@@ -14,6 +14,10 @@ from pdjax.parallel.mesh import ShardingRules, batch_sharding, check_batch, shar
 
 def _on_mesh(params, cfg, mesh, batch: int, capacity_factor, rules, overlap, dispatch="auto"):
     """(params placed on the mesh, EP MoE implementation, batch sharding)."""
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh (pdjax.parallel.make_mesh), got {type(mesh).__name__}")
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError(f"cfg must be a ModelConfig (e.g. pdjax.configs.tiny()), got {type(cfg).__name__}")
     if "layers" not in params:
         raise ValueError("mesh= takes per-layer params (params['layers']); stacked params "
                          "(pdjax.stack_layers) run on one device: pdjax.unstack_layers first")

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 from pdjax.analysis import afd_bounds, bubbles, kv, moe_bounds, roofline
 from pdjax.analysis.hardware import HardwareLike, hardware
 from pdjax.param_counts import param_counts
-from pdjax.arguments import check_int, check_nonnegative
+from pdjax.arguments import check_fraction, check_int, check_nonnegative, check_positive
 from pdjax.analysis.units import GB, GiB, format_bytes, format_count
 from pdjax.config import ModelConfig
 
@@ -79,6 +79,20 @@ def _optional(fn, *args, **kwargs):
         return None  # a figure the hardware does not publish
 
 
+def _check_sizes(*, context_len, handoff_context_len, ep_size, pipeline_stages, act_bytes, weight_dtype_bytes,
+                 kv_dtype_bytes, bubble_target, microbatches) -> None:
+    """report's numeric arguments, each named when it is not what it must be."""
+    for name, value in (("context_len", context_len), ("handoff_context_len", handoff_context_len),
+                        ("ep_size", ep_size), ("pipeline_stages", pipeline_stages)):
+        check_int(name, value)
+    check_nonnegative("act_bytes", act_bytes)
+    check_positive("weight_dtype_bytes", weight_dtype_bytes)
+    check_positive("kv_dtype_bytes", kv_dtype_bytes)
+    check_fraction("bubble_target", bubble_target)
+    for m in microbatches:
+        check_int("microbatches entry", m)
+
+
 def report(cfg: ModelConfig, hw: HardwareLike, *, context_len: int = 4096,
            handoff_context_len: int = 32768, compute_dtype: str = "bf16",
            weight_dtype_bytes: float = 2, kv_dtype_bytes: float = 2, ep_size: int = 1,
@@ -98,8 +112,9 @@ def report(cfg: ModelConfig, hw: HardwareLike, *, context_len: int = 4096,
     if not isinstance(cfg, ModelConfig):
         raise TypeError(f"report expects a ModelConfig, got {type(cfg).__name__}")
     hw = hardware(hw)
-    check_int("context_len", context_len)
-    check_nonnegative("act_bytes", act_bytes)
+    _check_sizes(context_len=context_len, handoff_context_len=handoff_context_len, ep_size=ep_size,
+                 pipeline_stages=pipeline_stages, act_bytes=act_bytes, weight_dtype_bytes=weight_dtype_bytes,
+                 kv_dtype_bytes=kv_dtype_bytes, bubble_target=bubble_target, microbatches=microbatches)
     hbm = hw.require("hbm_bytes", "the memory sheet")
     counts = param_counts(cfg)
     p_w = weight_dtype_bytes

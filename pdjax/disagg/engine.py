@@ -41,6 +41,7 @@ import threading
 import jax
 import numpy as np
 
+from pdjax.arguments import check_int, check_positive
 from pdjax.config import ModelConfig
 from pdjax.disagg.decode import DecodePool
 from pdjax.disagg.link import DevicePutLink, checksum
@@ -66,12 +67,24 @@ def _check_options(prefill_devices, decode_devices, colocated, prefill_workers, 
     if colocated and prefill_workers != 1:
         raise ValueError("a colocated engine has one pool: prefill_workers must be 1")
     for name, v in positive.items():
-        if v is not None and not v > 0:
-            raise ValueError(f"{name} must be > 0 or None, got {v!r}")
+        if v is not None:
+            check_positive(name, v)
     if prefill_chunk_tokens is not None and (not isinstance(prefill_chunk_tokens, int) or prefill_chunk_tokens < 1):
         raise ValueError(f"prefill_chunk_tokens must be a positive integer or None, got {prefill_chunk_tokens!r}")
     if prefill_cost is not None and not callable(prefill_cost):
         raise ValueError("prefill_cost must be a callable cost(q, c) -> seconds (e.g. a PrefillCostFit)")
+
+
+def _check_call(cfg: ModelConfig, stop_tokens, retention, store) -> None:
+    """The arguments of a generate call that hold for every request (raised, not per request)."""
+    if isinstance(stop_tokens, (str, bytes)) or not isinstance(stop_tokens, (list, tuple, np.ndarray)):
+        raise TypeError(f"stop_tokens must be a list of token ids, got {stop_tokens!r}")
+    for t in stop_tokens:
+        check_int("stop_tokens entry", t, 0, cfg.vocab_size - 1)
+    if not isinstance(retention, str):
+        raise TypeError(f"retention must be a retention class name, got {retention!r}")
+    if store is not None and retention not in store.retention:
+        raise ValueError(f"retention class {retention!r} is unknown; known: {sorted(store.retention)}")
 
 
 class PDEngine:
@@ -86,11 +99,16 @@ class PDEngine:
                  prefill_chunk_tokens: int | None = None, handoff_timeout_s: float | None = None,
                  link_bandwidth_Bps: float | None = None):
         prefill_devices, decode_devices = list(prefill_devices), list(decode_devices)
+        for name, value, optional in (("block_size", block_size, False), ("max_decode_slots", max_decode_slots, False),
+                                      ("max_prefill_attempts", max_prefill_attempts, False),
+                                      ("max_context", max_context, True), ("num_blocks", num_blocks, True)):
+            if not (optional and value is None):
+                check_int(name, value)
         _check_options(prefill_devices, decode_devices, colocated, prefill_workers, prefill_cost,
                        prefill_chunk_tokens, prefill_budget_s=prefill_budget_s, handoff_timeout_s=handoff_timeout_s,
                        link_bandwidth_Bps=link_bandwidth_Bps)
         self.cfg = cfg
-        self.max_context = max_context or cfg.max_position_embeddings
+        self.max_context = cfg.max_position_embeddings if max_context is None else max_context
         self.colocated = colocated
         per = len(prefill_devices) // prefill_workers
         self.prefills = [PrefillPool(params, cfg, prefill_devices[w * per:(w + 1) * per], prefill_mesh or {"expert": per})
@@ -211,6 +229,13 @@ class PDEngine:
 
     def _requests(self, prompts, max_new_tokens, sampling, stop_tokens, retention, arrival_times) -> list:
         """One Request per prompt, validated (a bad one carries its RequestError)."""
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple, np.ndarray)):
+            raise TypeError(f"prompts must be a list of prompts (token id lists), got {type(prompts).__name__}")
+        if len(prompts) == 0:
+            raise ValueError("prompts is empty")
+        _check_call(self.cfg, stop_tokens, retention, self.store)
+        if not isinstance(max_new_tokens, list):    # one for every request (a list: each its own)
+            check_int("max_new_tokens", max_new_tokens)
         n = len(prompts)
         samplings = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * n
         mnt = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * n

@@ -6,12 +6,16 @@ Checks never wait for the device: a ``jax.Array`` input is checked for shape and
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pdjax.config import ModelConfig
 from pdjax.model import layer_scan
+from pdjax.model.cache import KVCache
+from pdjax.model.params import init_params
 
 
 def is_tracer(x) -> bool:
@@ -23,10 +27,16 @@ def on_device(x) -> bool:
     return isinstance(x, jax.Array) and not is_tracer(x)
 
 
+def check_cfg(cfg) -> None:
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError(f"cfg must be a ModelConfig (e.g. pdjax.configs.tiny()), got {type(cfg).__name__}")
+
+
 def check_tokens(cfg: ModelConfig, tokens, ndim: int, name: str = "tokens"):
     """Shape and dtype checks, and for host inputs the range of the ids; returns int32 tokens
     (a device array stays on its devices and its ids are not range-checked: that would fetch
     them and wait for the computation that makes them)."""
+    check_cfg(cfg)
     if is_tracer(tokens):
         return tokens
     device = on_device(tokens)
@@ -81,13 +91,17 @@ def check_count(name: str, value) -> int:
 
 def check_layers(params, cfg: ModelConfig, cache=None, moe_impl=None) -> None:
     """Host-side: the params' layer form (per-layer or stacked per run, see
-    :mod:`pdjax.model.layer_scan`) agrees with ``cfg``, the cache's form and ``moe_impl``."""
+    :mod:`pdjax.model.layer_scan`) agrees with ``cfg``, the cache's form and ``moe_impl``;
+    the params' structure and shapes are ``cfg``'s (:func:`check_params`), the cache's layers
+    and latent width too (:func:`check_cache`)."""
+    check_params(params, cfg)
+    if cache is not None:
+        check_cache(cache, cfg)
     if not layer_scan.is_stacked(params):
         if isinstance(cache, layer_scan.StackedKVCache):
             raise ValueError("a StackedKVCache needs stacked params (pdjax.stack_layers); "
                              "per-layer params take a KVCache (StackedKVCache.unstacked())")
         return
-    layer_scan.check_stacked(params, cfg)
     if cache is not None and not isinstance(cache, layer_scan.StackedKVCache):
         raise ValueError(f"stacked params need a StackedKVCache, got {type(cache).__name__} "
                          "(pdjax.model.layer_scan.stack_cache converts a KVCache)")
@@ -109,7 +123,110 @@ def check_lengths(lengths, B: int, T: int):
         if lengths.shape != (B,) or not np.issubdtype(lengths.dtype, np.integer):
             raise ValueError(f"lengths must be [B={B}] integers, got shape {lengths.shape} dtype {lengths.dtype}")
         return lengths.astype(jnp.int32)
-    lengths = np.asarray(lengths, np.int32)
-    if lengths.shape != (B,) or lengths.min() < 1 or lengths.max() > T:
-        raise ValueError(f"lengths must be [B={B}] values in [1, {T}], got {lengths.tolist()}")
-    return lengths
+    arr = np.asarray(lengths)
+    if arr.shape != (B,) or not np.issubdtype(arr.dtype, np.integer) or arr.dtype == bool:
+        raise ValueError(f"lengths must be [B={B}] integers in [1, {T}], got {lengths!r}")
+    if arr.min() < 1 or arr.max() > T:
+        raise ValueError(f"lengths must be [B={B}] values in [1, {T}], got {arr.tolist()}")
+    return arr.astype(np.int32)
+
+
+# ---- params and caches held against the config ---------------------------------------------------
+
+@functools.lru_cache(maxsize=16)
+def _reference(cfg: ModelConfig):
+    """The shapes of ``init_params(cfg)`` (traced abstractly: nothing is computed)."""
+    return jax.eval_shape(lambda k: init_params(cfg, k), jax.random.key(0))
+
+
+_CHECKED: set = set()       # (cfg, tree structure, leaf shapes) already held against their cfg
+
+
+def check_params(params, cfg: ModelConfig) -> None:
+    """The params' tree and every leaf's shape are those ``init_params(cfg)`` makes (per-layer
+    or stacked per layer run): a tree of another vocabulary, width, layer or expert count is a
+    ValueError naming the first leaf that differs, its shape and the one ``cfg`` gives. Checked
+    once per (cfg, structure, shapes); a leaf must be an array of a floating dtype."""
+    check_cfg(cfg)
+    leaves, treedef = jax.tree.flatten(params)
+    key = (cfg, treedef, tuple((getattr(a, "shape", None), getattr(a, "dtype", None)) for a in leaves))
+    if key in _CHECKED:
+        return
+    if not isinstance(params, dict):
+        raise TypeError(f"params must be the dict init_params / load_hf give, got {type(params).__name__}")
+    ref = _reference(cfg)
+    if layer_scan.is_stacked(params):
+        layer_scan.check_stacked(params, cfg)
+        _compare({k: v for k, v in params.items() if k != "layer_runs"},
+                 {k: v for k, v in ref.items() if k != "layers"}, "params")
+        for i, (run, stack) in enumerate(zip(layer_scan.layer_runs(cfg), params["layer_runs"])):
+            inner = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stack)
+            _compare(inner, ref["layers"][run.start], f"params['layer_runs'][{i}] (per layer)")
+    else:
+        _compare(params, ref, "params")
+    _CHECKED.add(key)
+
+
+EPLB_KEYS = ("log2phy", "logcnt")       # an EPLB placement's tables (pdjax.parallel.eplb)
+EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
+
+
+def _compare(got, want, where: str) -> None:
+    if isinstance(want, dict) and isinstance(got, dict) and set(EPLB_KEYS) <= set(got) - set(want):
+        got, want = _physical(got, want, where)
+    if isinstance(want, dict):
+        if not isinstance(got, dict) or set(got) != set(want):
+            have = sorted(got) if isinstance(got, dict) else type(got).__name__
+            raise ValueError(f"{where} holds {have}, cfg gives {sorted(want)}")
+        for k in want:
+            _compare(got[k], want[k], f"{where}[{k!r}]")
+        return
+    if isinstance(want, (list, tuple)):
+        if not isinstance(got, (list, tuple)) or len(got) != len(want):
+            n = len(got) if isinstance(got, (list, tuple)) else type(got).__name__
+            what = " (cfg.num_hidden_layers)" if where.endswith("['layers']") else ""
+            raise ValueError(f"{where} holds {n} entries, cfg gives {len(want)}{what}")
+        for i, (g, w) in enumerate(zip(got, want)):
+            _compare(g, w, f"{where}[{i}]")
+        return
+    shape = getattr(got, "shape", None)
+    if shape is None or tuple(shape) != tuple(want.shape):
+        raise ValueError(f"{where} has shape {None if shape is None else tuple(shape)}, cfg gives {tuple(want.shape)}")
+    if not jnp.issubdtype(got.dtype, jnp.floating):
+        raise TypeError(f"{where} must be a floating array, got dtype {got.dtype}")
+
+
+def _physical(got: dict, want: dict, where: str):
+    """A MoE layer placed by EPLB holds its physical experts (replicas included) and the
+    placement's tables: the expert weights are held against the logical ones but for their
+    expert count, which the three share."""
+    counts = {k: got[k].shape[0] for k in EXPERT_WEIGHTS if hasattr(got.get(k), "shape")}
+    if len(set(counts.values())) > 1:
+        raise ValueError(f"{where}: the expert weights hold different expert counts {counts}")
+    got = {k: v for k, v in got.items() if k not in EPLB_KEYS}
+    want = dict(want)
+    for k, n in counts.items():
+        if k in want:
+            want[k] = jax.ShapeDtypeStruct((n, *want[k].shape[1:]), want[k].dtype)
+    return got, want
+
+
+def check_cache(cache, cfg: ModelConfig) -> None:
+    """A KVCache (or StackedKVCache) of ``cfg``: one buffer per layer (per layer run) of
+    latent width ``kv_lora_rank + qk_rope_head_dim`` and one length per row."""
+    if not isinstance(cache, (KVCache, layer_scan.StackedKVCache)):
+        raise TypeError(f"cache must be a KVCache (or StackedKVCache), got {type(cache).__name__}")
+    width = cfg.kv_latent_dim
+    stacked = isinstance(cache, layer_scan.StackedKVCache)
+    layers = cache.num_layers if stacked else len(cache.kv)
+    if layers != cfg.num_hidden_layers:
+        raise ValueError(f"the cache holds {layers} layers, cfg.num_hidden_layers={cfg.num_hidden_layers}")
+    for i, buf in enumerate(cache.kv):
+        if buf.ndim != (4 if stacked else 3) or buf.shape[-1] != width:
+            raise ValueError(f"cache.kv[{i}] has shape {tuple(buf.shape)}: its last dim must be the latent width "
+                             f"kv_lora_rank + qk_rope_head_dim = {width}")
+        if buf.shape[-3] != cache.kv[0].shape[-3] or buf.shape[-2] != cache.kv[0].shape[-2]:
+            raise ValueError(f"cache.kv[{i}] has shape {tuple(buf.shape)}, cache.kv[0] {tuple(cache.kv[0].shape)}: "
+                             "every layer needs the same batch and length")
+    if tuple(cache.lengths.shape) != (cache.batch,):
+        raise ValueError(f"cache.lengths has shape {tuple(cache.lengths.shape)}, the cache's batch is {cache.batch}")

@@ -42,7 +42,7 @@ from pdjax.config import ModelConfig
 from pdjax.model import dots, layer_scan, mla
 from pdjax.model import moe as moe_lib
 from pdjax.model.cache import KVCache, host_lengths, remember_lengths, to_cache_dtype, write_rows
-from pdjax.model.checks import (check_count, check_layers, check_lengths, check_tokens, is_tracer, on_device,
+from pdjax.model.checks import (check_cache, check_count, check_layers, check_lengths, check_tokens, is_tracer, on_device,
                                 prompt_problem)
 # init_params and param_dtype live in pdjax.model.params; importable here, where callers look
 from pdjax.model.params import init_params, param_dtype  # noqa: F401
@@ -286,6 +286,8 @@ def prefill(params, cfg: ModelConfig, tokens, *, max_len: int | None = None,
     """
     tokens = check_tokens(cfg, tokens, 2)
     check_layers(params, cfg, cache, moe_impl)
+    if max_len is not None:
+        max_len = check_count("max_len", max_len)
     B, T = tokens.shape
     fresh = cache is None
     if fresh:
@@ -325,6 +327,7 @@ def decode_step(params, cfg: ModelConfig, next_tokens, cache: KVCache, *, moe_im
     host recorded for caches made by init_cache / prefill / decode_step; a cache whose device
     lengths were made elsewhere is checked for shape only."""
     next_tokens = check_tokens(cfg, next_tokens, 1, "next_tokens")
+    check_cache(cache, cfg)                      # required here
     check_layers(params, cfg, cache, moe_impl)
     if next_tokens.shape[0] != cache.batch:
         raise ValueError(f"next_tokens batch {next_tokens.shape[0]} does not match cache batch {cache.batch}")
@@ -366,6 +369,8 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int, max_len:
     token lists of any lengths (returns a list of lists, each prompt + new tokens).
     """
     check_count("max_new_tokens", max_new_tokens)
+    if max_len is not None:
+        max_len = check_count("max_len", max_len)
     check_layers(params, cfg, None, moe_impl)
     tokens, lengths, ragged = _pad_prompts(cfg, prompts)
     need = int(lengths.max()) + max_new_tokens

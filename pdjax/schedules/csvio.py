@@ -29,7 +29,10 @@ def parse_csv(text: str, *, layout: Layout | None = None) -> tuple[Layout, tuple
     """
     if not isinstance(text, str):
         raise TypeError(f"CSV text must be str, got {type(text).__name__}")
-    rows = list(csv.reader(io.StringIO(text)))
+    try:
+        rows = list(csv.reader(io.StringIO(text)))
+    except csv.Error as e:
+        raise ValueError(f"schedule CSV: {e}") from None
     while rows and not any(c.strip() for c in rows[-1]):
         rows.pop()  # trailing blank lines
     if not rows:

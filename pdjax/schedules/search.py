@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pdjax.arguments import check_int
+from pdjax.arguments import check_int, check_positive
 
 from .bound import lower_bound as _layout_bound
 from .generators import GENERATORS
@@ -132,8 +132,7 @@ def search(num_ranks: int, num_microbatches: int, F=1.0, B=2.0, W=1.0, comm=0.0,
     unknown = [f for f in fams if f not in FAMILIES]
     if not fams or unknown:
         raise ValueError(f"families must be a non-empty subset of {FAMILIES}, got {families!r}")
-    if not (isinstance(time_limit_s, (int, float)) and time_limit_s > 0):
-        raise ValueError(f"time_limit_s must be > 0, got {time_limit_s!r}")
+    check_positive("time_limit_s", time_limit_s)
     per_rank_costs, per_rank_mem = _per_rank_inputs(p, F, B, W, comm, I, FB, memory)
     one_mb = float(np.max(per_rank_mem["F"] + per_rank_mem["I"]))
     budget = _budget(memory_budget, one_mb)
@@ -194,7 +193,7 @@ def _budget(memory_budget, one_mb: float) -> float:
     activations ``one_mb``."""
     if memory_budget is None:
         return math.inf
-    budget = float(memory_budget)
+    budget = float(check_positive("memory_budget", memory_budget))
     if not budget >= one_mb:
         raise ValueError(f"memory_budget ({memory_budget!r}) is below one micro-batch's activations "
                          f"({one_mb:g} per rank): no schedule fits")

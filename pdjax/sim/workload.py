@@ -189,6 +189,8 @@ class WorkloadSpec:
             raise ValueError(f"num_requests must be an integer >= 1, got {self.num_requests!r}")
         check_rate(self.rate)
         check_int("WorkloadSpec.system_prompts", self.system_prompts, 0)
+        check_int("WorkloadSpec.seed", self.seed, 0)
+        check_nonnegative("WorkloadSpec.cv", self.cv)
         check_nonnegative("WorkloadSpec.think_time", self.think_time)      # NaN and inf refused
         if self.retention is not None:
             if not self.retention or min(self.retention.values()) < 0 or sum(self.retention.values()) <= 0:

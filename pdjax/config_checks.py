@@ -1,0 +1,122 @@
+"""The checks of :class:`pdjax.config.ModelConfig`, made on construction: every field of its
+type (:func:`check_types`), then ranges and relations between fields (:func:`validate`).
+Each raises naming the field."""
+
+from __future__ import annotations
+
+from pdjax.arguments import ArgumentTypeError, check_int, check_number
+
+SCORING_FUNCS = ("softmax", "sigmoid")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+
+INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+              "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "n_group", "topk_group",
+              "first_k_dense_replace", "moe_layer_freq", "max_position_embeddings")
+FLOAT_FIELDS = ("routed_scaling_factor", "rope_theta", "rms_norm_eps")
+BOOL_FIELDS = ("norm_topk_prob", "tie_word_embeddings")
+STR_FIELDS = ("scoring_func", "topk_method", "model_type")
+
+
+def check_types(cfg) -> None:
+    """Every field of its type, never coerced: integers (numpy integers too, stored as int;
+    not floats such as 8.0, not bools), finite reals (stored as float; not NaN or inf, not
+    strings), bools (not the string "false"), strings. ArgumentTypeError (a TypeError and a
+    ValueError) or ValueError naming the field; ranges and relations are :func:`validate`'s."""
+    import numpy as np
+
+    def put(name, value):
+        object.__setattr__(cfg, name, value)
+
+    for name in INT_FIELDS:
+        put(name, check_int(f"ModelConfig.{name}", getattr(cfg, name), minimum=None))
+    if cfg.q_lora_rank is not None:
+        put("q_lora_rank", check_int("ModelConfig.q_lora_rank", cfg.q_lora_rank, minimum=None))
+    for name in FLOAT_FIELDS:
+        put(name, float(check_number(f"ModelConfig.{name}", getattr(cfg, name))))
+    for name in BOOL_FIELDS:
+        value = getattr(cfg, name)
+        if not isinstance(value, (bool, np.bool_)):
+            raise ArgumentTypeError(f"ModelConfig.{name} must be a bool (true/false), got {value!r}")
+        put(name, bool(value))
+    for name in STR_FIELDS:
+        if not isinstance(getattr(cfg, name), str):
+            raise ArgumentTypeError(f"ModelConfig.{name} must be a string, got {getattr(cfg, name)!r}")
+
+
+def _positive(cfg, names):
+    for name in names:
+        v = getattr(cfg, name)
+        if not isinstance(v, (int,)) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"ModelConfig.{name} must be a positive integer, got {v!r}")
+
+
+def validate(cfg) -> None:
+    """Raise ValueError naming the first inconsistent field."""
+    _positive(cfg, ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                    "max_position_embeddings", "moe_layer_freq"])
+    if cfg.q_lora_rank is not None:
+        _positive(cfg, ["q_lora_rank"])
+    if cfg.qk_rope_head_dim % 2:
+        raise ValueError(f"ModelConfig.qk_rope_head_dim must be even for RoPE pairs, got {cfg.qk_rope_head_dim}")
+    if cfg.first_k_dense_replace < 0:
+        raise ValueError(f"ModelConfig.first_k_dense_replace must be >= 0, got {cfg.first_k_dense_replace}")
+    has_dense = any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)) if cfg.n_routed_experts else True
+    if has_dense:
+        _positive(cfg, ["intermediate_size"])
+    if cfg.n_routed_experts < 0:
+        raise ValueError(f"ModelConfig.n_routed_experts must be >= 0, got {cfg.n_routed_experts}")
+    if cfg.n_routed_experts:
+        _validate_moe(cfg)
+    _validate_kinds(cfg)
+
+
+def _validate_moe(cfg) -> None:
+    """The routed experts' fields (a MoE config)."""
+    _positive(cfg, ["moe_intermediate_size", "num_experts_per_tok", "n_group", "topk_group"])
+    if cfg.n_shared_experts < 0:
+        raise ValueError(f"ModelConfig.n_shared_experts must be >= 0, got {cfg.n_shared_experts}")
+    if cfg.num_experts_per_tok > cfg.n_routed_experts:
+        raise ValueError(
+            f"ModelConfig.num_experts_per_tok={cfg.num_experts_per_tok} exceeds "
+            f"n_routed_experts={cfg.n_routed_experts}")
+    if cfg.n_routed_experts % cfg.n_group:
+        raise ValueError(
+            f"ModelConfig.n_routed_experts={cfg.n_routed_experts} is not divisible by "
+            f"n_group={cfg.n_group}")
+    if cfg.topk_group > cfg.n_group:
+        raise ValueError(f"ModelConfig.topk_group={cfg.topk_group} exceeds n_group={cfg.n_group}")
+    per_group = cfg.n_routed_experts // cfg.n_group
+    if cfg.topk_method == "noaux_tc" and per_group < 2 and cfg.n_group > 1:
+        raise ValueError("ModelConfig.n_group: noaux_tc scores groups by their top-2 experts, "
+                         f"so each group needs >= 2 experts (got {per_group})")
+    if cfg.topk_group * per_group < cfg.num_experts_per_tok:
+        raise ValueError(
+            f"ModelConfig.topk_group={cfg.topk_group} groups of {per_group} experts cannot "
+            f"supply num_experts_per_tok={cfg.num_experts_per_tok}")
+
+
+def _validate_kinds(cfg) -> None:
+    """The named choices, the positive reals and YaRN's fields."""
+    if cfg.scoring_func not in SCORING_FUNCS:
+        raise ValueError(f"ModelConfig.scoring_func must be one of {SCORING_FUNCS}, got {cfg.scoring_func!r}")
+    if cfg.topk_method not in TOPK_METHODS:
+        raise ValueError(f"ModelConfig.topk_method must be one of {TOPK_METHODS}, got {cfg.topk_method!r}")
+    if cfg.rms_norm_eps <= 0:
+        raise ValueError(f"ModelConfig.rms_norm_eps must be > 0, got {cfg.rms_norm_eps}")
+    if cfg.routed_scaling_factor <= 0:
+        raise ValueError(f"ModelConfig.routed_scaling_factor must be > 0, got {cfg.routed_scaling_factor}")
+    if cfg.rope_theta <= 0:
+        raise ValueError(f"ModelConfig.rope_theta must be > 0, got {cfg.rope_theta}")
+    if cfg.model_type not in ("deepseek_v2", "deepseek_v3"):
+        raise ValueError(f"ModelConfig.model_type must be 'deepseek_v2' or 'deepseek_v3', got {cfg.model_type!r}")
+    rs = cfg.rope_scaling
+    if rs is not None:
+        if rs.rope_type != "yarn":
+            raise ValueError(f"ModelConfig.rope_scaling type must be 'yarn', got {rs.rope_type!r}")
+        if rs.factor <= 0:
+            raise ValueError(f"ModelConfig.rope_scaling.factor must be > 0, got {rs.factor}")
+        if rs.original_max_position_embeddings <= 0:
+            raise ValueError("ModelConfig.rope_scaling.original_max_position_embeddings must be > 0, "
+                             f"got {rs.original_max_position_embeddings}")
