@@ -17,7 +17,10 @@ latents are written straight into the attention ranks' paged cache).
 
 ``eng.stats["afd"]`` after ``generate``: bytes per MoE layer each way (``a2f_bytes``: the
 hidden states; ``routing_bytes``: expert ids, weights and the valid mask, counted apart;
-``f2a_bytes``: the experts' output), FFN failures, and, when ``eng.timeline`` is a
+``f2a_bytes``: the experts' output; ``check_bytes``: the exchange's checksums), FFN
+failures, ``exchange_corrupt`` (micro-batch steps whose exchange delivered a piece that
+failed its checksum: each was run again; see :mod:`pdjax.disagg.afd_pool`), and, when
+``eng.timeline`` is a
 :class:`~pdjax.disagg.timeline.Timeline`, the per-stage times (:func:`stage_times`) and the
 measured spans (streams "attention", "a2f", "ffn", "f2a").
 """

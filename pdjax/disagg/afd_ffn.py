@@ -14,6 +14,14 @@ of S ranks holds its rows as K/S *piece arrays* (:func:`split_local`): piece arr
 on rank r, the i-th of r's K/S pieces, so every piece is one shard of one array, and piece p
 (in row order) is shard p // (K/S) of piece array p % (K/S). The receiving computation
 concatenates a rank's pieces (:func:`join_local`). Nothing waits on the host.
+
+Integrity: every piece crosses *sealed* (:func:`seal`): paired with the checksums
+(:func:`pdjax.disagg.link.bit_sums`) of each of its leaves, computed by the sending program
+on the rank that holds the piece. The receiving program recomputes them on arrival
+(:func:`unseal`) and counts the pieces that differ, on device: the FFN side seals its output
+*poisoned* where its input piece arrived corrupt (the sums offset by the mismatch), so one
+comparison on the attention side covers both directions, and the micro-batch's count rides
+with its carry to the step's one host read (see :mod:`pdjax.disagg.afd_pool`).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from pdjax.config import ModelConfig
+from pdjax.disagg.link import bit_sums
 from pdjax.parallel.ep import ExpertParallel, ep_moe
 from pdjax.parallel.mesh import make_mesh, shard_params
 
@@ -57,6 +66,40 @@ def join_local(pieces, mesh: Mesh):
         return jax.tree.map(lambda *a: jnp.concatenate(a), *ps)
     return jax.shard_map(local, mesh=mesh, in_specs=(_spec(mesh),), out_specs=_spec(mesh),
                          check_vma=False)(tuple(pieces))
+
+
+def _sums(tree) -> jax.Array:
+    """[1, leaves, 2]: :func:`bit_sums` of each leaf of one rank's slice of a piece."""
+    return jnp.stack([bit_sums(a) for a in jax.tree.leaves(tree)])[None]
+
+
+def seal(pieces, mesh: Mesh, poison=None) -> tuple:
+    """Piece arrays (trees of arrays [S*a, ...] on ``mesh``) -> ((tree, sums), ...): ``sums``
+    [S, leaves, 2] uint32, row r the checksums of rank r's slice, computed on rank r (no data
+    moves). ``poison``: per piece array an int32 [S], nonzero where that slice arrived
+    corrupt here; added to its sums, so the next receiver's comparison fails as well."""
+    def local(ps, bad):
+        return tuple((p, _sums(p) + (0 if b is None else b.astype(jnp.uint32)[:, None, None]))
+                     for p, b in zip(ps, bad))
+    poison = (None,) * len(pieces) if poison is None else tuple(poison)
+    return jax.shard_map(local, mesh=mesh, in_specs=(_spec(mesh), _spec(mesh)), out_specs=_spec(mesh),
+                         check_vma=False)(tuple(pieces), poison)
+
+
+def unseal(sealed, mesh: Mesh) -> tuple:
+    """Sealed piece arrays on ``mesh`` -> (the piece arrays, per piece array an int32 [S]: 1
+    where rank r's slice no longer matches its sums), compared on each rank, on device,
+    before the values are used: a slice that fails is replaced by zeros (what a flipped
+    exponent bit made of it, inf or NaN, never reaches the experts or the KV cache)."""
+    def local(ps):
+        out, bad = [], []
+        for p, s in ps:
+            b = jnp.any(_sums(p) != s)
+            out.append(jax.tree.map(lambda a: jnp.where(b, jnp.zeros_like(a), a), p))
+            bad.append(b.astype(jnp.int32)[None])
+        return tuple(out), tuple(bad)
+    return jax.shard_map(local, mesh=mesh, in_specs=(_spec(mesh),), out_specs=_spec(mesh),
+                         check_vma=False)(tuple(sealed))
 
 
 class MeshExchange:
@@ -107,18 +150,22 @@ class MeshExchange:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "ep"))
-def _routed(p, cfg, pieces, ep):
+def _routed(p, cfg, sealed, ep):
+    """Unseal the A2F pieces, run the experts, seal the output poisoned where a piece came in
+    corrupt (the verdict goes back with the F2A: nothing here waits on the host)."""
+    pieces, corrupt = unseal(sealed, ep.mesh)
     u, weights, ids, valid = join_local(pieces, ep.mesh)
     y, _ = ep_moe(p, cfg, u, ep, valid, routing=(weights, ids))
-    return split_local(y, len(pieces), ep.mesh)
+    return seal(split_local(y, len(pieces), ep.mesh), ep.mesh, poison=corrupt)
 
 
 class FFNPool:
     """The expert side: the routed experts of every MoE layer split over ``devices`` (their
     number must divide the experts). ``pool(layer, pieces)``: one micro-batch of MoE layer
-    ``layer``, its piece arrays of (normed hidden [R,D], routing weights [R,k], expert ids
-    [R,k], valid [R]) on this pool's mesh -> the piece arrays of the routed experts' output
-    [R,D] (dropless, exactly the single-device result up to summation order)."""
+    ``layer``, its sealed piece arrays (:func:`seal`) of (normed hidden [R,D], routing weights
+    [R,k], expert ids [R,k], valid [R]) on this pool's mesh -> the sealed piece arrays of the
+    routed experts' output [R,D] (dropless, exactly the single-device result up to summation
+    order), poisoned where an input piece failed its checksum."""
 
     def __init__(self, params, cfg: ModelConfig, devices):
         self.cfg = cfg

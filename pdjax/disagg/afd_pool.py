@@ -20,6 +20,15 @@ A step's one host read is the sampled tokens. An FFN call or exchange that raise
 micro-batch's chain: it is run again from the start of the step (its KV rows are rewritten
 with the same values) up to ``ffn_retries`` times, then its running requests end with a
 :class:`~pdjax.disagg.request.RequestError` and the other micro-batches' tokens stand.
+
+The exchange is checked end to end (:func:`~pdjax.disagg.afd_ffn.seal`): each side's
+program checksums what it sends and the receiving program compares, on device; a
+micro-batch's count of corrupt pieces travels with its carry and is read with the tokens
+(the same one host read: [slots + m]), so no layer waits on the host. A micro-batch with a
+corrupt piece is run again from the step's unchanged inputs (its KV rows rewritten) and
+the step sampled again from the slot state before it (kept: the sampling is a function of
+it, so the tokens are the ones a clean step gives), up to ``ffn_retries`` times; then its
+requests fail. ``stats["exchange_corrupt"]`` counts the detections.
 """
 
 from __future__ import annotations
@@ -27,12 +36,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pdjax.config import ModelConfig
-from pdjax.disagg.afd_ffn import FFNPool, MeshExchange, join_local, split_local
+from pdjax.disagg.afd_ffn import FFNPool, MeshExchange, join_local, seal, split_local, unseal
 from pdjax.disagg.decode import DecodePool, advance_slots
 from pdjax.disagg.request import RequestError
 from pdjax.model import moe as moe_lib
@@ -48,6 +59,15 @@ class FFNError(RuntimeError):
         super().__init__(f"the FFN side failed at MoE layer {layer}, micro-batch {microbatch}: "
                          f"{type(cause).__name__}: {cause}")
         self.layer, self.microbatch = layer, microbatch
+
+
+class ExchangeCorrupt(RuntimeError):
+    """A piece of micro-batch ``microbatch`` crossed the AF exchange corrupt (checksum)."""
+
+    def __init__(self, microbatch: int):
+        super().__init__(f"the AF exchange delivered a corrupt payload to micro-batch {microbatch} "
+                         "(a checksum mismatch)")
+        self.microbatch = microbatch
 
 
 @contextlib.contextmanager
@@ -93,15 +113,20 @@ def _microbatches(tokens, tables, lengths, valid, ranks, m):
 def _segment(ends, layers, cfg, carry, pools, mb, paging, parts):
     """One segment of one micro-batch (see the module docstring). ``ends``: the embedding
     (first segment; ``carry`` the tokens [b]) and/or the final norm and LM head (last);
-    otherwise ``carry`` = (x [b,1,D], shared-expert output [b,D], routed output pieces).
-    Returns ((x, shared), A2F piece arrays of (normed x, weights, ids, valid)) or the logits
-    [b,V] float32, and the layers' pools (donated: updated in place)."""
+    otherwise ``carry`` = (x [b,1,D], shared-expert output [b,D], corrupt pieces so far [M],
+    sealed routed output pieces: unsealed and counted here). Returns ((x, shared, corrupt),
+    sealed A2F piece arrays of (normed x, weights, ids, valid)) or (the logits [b,V] float32,
+    corrupt), and the layers' pools (donated: updated in place)."""
     mesh, axes, view_blocks = paging
     tables, start, valid = mb
     if "embed" in ends:
         x = embed(ends, carry, cfg)[:, None]
+        bad = jax.lax.with_sharding_constraint(jnp.zeros(mesh.devices.size, jnp.int32),
+                                               NamedSharding(mesh, P(tuple(mesh.axis_names))))
     else:
-        x, shared, routed = carry
+        x, shared, bad, routed = carry
+        routed, corrupt = unseal(routed, mesh)
+        bad = bad + sum(corrupt)
         x = x + (join_local(routed, mesh) + shared)[:, None]
     q_pos, new = start[:, None], []
     for lp, pool in zip(layers, pools):
@@ -111,21 +136,26 @@ def _segment(ends, layers, cfg, carry, pools, mb, paging, parts):
             u = rms_norm(x, lp["ffn_norm"], cfg.rms_norm_eps)[:, 0]
             weights, ids = moe_lib.route(lp["moe"], cfg, u, valid)
             shared = moe_lib.shared_experts(lp["moe"], cfg, u)
-            return ((x, shared), split_local((u, weights, ids, valid), parts, mesh)), tuple(new + [kv.pool])
+            pieces = split_local((u, weights, ids, valid), parts, mesh)
+            return ((x, shared, bad), seal(pieces, mesh)), tuple(new + [kv.pool])
         x, kv = layer(lp, cfg, x, q_pos, kv, start, absorbed=True, valid_BT=valid[:, None])
         new.append(kv.pool)
-    return head(ends, cfg, x)[:, 0], tuple(new)
+    return (head(ends, cfg, x)[:, 0], bad), tuple(new)
 
 
-@functools.partial(jax.jit, static_argnames=("ranks", "sampling"), donate_argnames=("state", "lengths"))
-def _finish(logits, state, lengths, ranks, sampling):
+@functools.partial(jax.jit, static_argnames=("ranks", "sampling"))
+def _finish(outs, state, lengths, ranks, sampling):
     """The micro-batches' logits back in slot order [slots, V]; sample, advance the slots
     (:func:`~pdjax.disagg.decode.advance_slots`), every slot's length + 1 (as the model's
-    decode step). Returns (tokens, state, lengths, logits)."""
+    decode step). ``outs``: per micro-batch (logits, corrupt pieces [M]). Returns (the tokens
+    [slots] followed by each micro-batch's corrupt-piece count [m], state, lengths, logits);
+    ``state`` and ``lengths`` are not donated: a corrupt step is sampled again from them."""
+    logits = [l for l, _ in outs]
     V = logits[0].shape[-1]
     logits_SV = jnp.stack(logits).reshape(len(logits), ranks, -1, V).transpose(1, 0, 2, 3).reshape(-1, V)
     toks, state = advance_slots(logits_SV, state, sampling)
-    return toks, state, lengths + 1, logits_SV
+    corrupt = jnp.stack([b.sum() for _, b in outs]).astype(toks.dtype)
+    return jnp.concatenate([toks, corrupt]), state, lengths + 1, logits_SV
 
 
 def _attention_params(lp: dict) -> dict:
@@ -161,7 +191,8 @@ class AFDPool(DecodePool):
         self.timeline, self.steps = timeline, 0
         moe = [l for _, l in self.segments if l is not None]
         self.stats = {"a2f_bytes": dict.fromkeys(moe, 0), "routing_bytes": dict.fromkeys(moe, 0),
-                      "f2a_bytes": dict.fromkeys(moe, 0), "ffn_failures": 0, "ffn_retries_ok": 0}
+                      "f2a_bytes": dict.fromkeys(moe, 0), "check_bytes": 0, "ffn_failures": 0,
+                      "ffn_retries_ok": 0, "exchange_corrupt": 0}
 
     def microbatch(self, slot: int) -> int:
         """The micro-batch ``slot`` runs in."""
@@ -192,36 +223,65 @@ class AFDPool(DecodePool):
         for j in list(failed):
             self._rerun(j, mbs[j], paging, carries, failed)
         sampling = any(self.slot_req[s].request.sampling.temperature > 0 for s in active)
-        toks, self.state, lengths, self.logits = _finish(tuple(carries), self.state, c.lengths, self.ranks, sampling)
-        self.cache = dataclasses.replace(self.cache, lengths=lengths)
+        toks = self._sample(mbs, paging, carries, failed, sampling)
         self.steps += 1
-        toks = jax.device_get(toks)
         self.kv_len[active] += 1
         return {s: self._failure(s, failed[self.microbatch(s)]) if self.microbatch(s) in failed else int(toks[s])
                 for s in active}
 
+    def _sample(self, mbs, paging, carries: list, failed: dict, sampling: bool):
+        """Sample the step (the host read of the tokens and the corrupt-piece counts). A
+        micro-batch with a corrupt piece is run again (:meth:`_chain`) and the step sampled
+        again from the state before it, up to ``ffn_retries`` times; then it is failed."""
+        state, lengths = self.state, self.cache.lengths
+        for tries in itertools.count():
+            toks, new_state, new_lengths, logits = _finish(tuple(carries), state, lengths, self.ranks, sampling)
+            toks = jax.device_get(toks)
+            corrupt = [j for j in range(self.m) if toks[self.slots + j]]
+            if not corrupt:
+                break
+            self.stats["exchange_corrupt"] += len(corrupt)
+            for j in corrupt:
+                try:
+                    if tries >= self.ffn_retries:
+                        raise ExchangeCorrupt(j)
+                    carries[j] = self._chain(j, mbs[j], paging)
+                except (ExchangeCorrupt, FFNError) as e:
+                    failed[j], carries[j] = e, self._dead()
+        self.state, self.logits = new_state, logits
+        self.cache = dataclasses.replace(self.cache, lengths=new_lengths)
+        return toks
+
+    def _chain(self, j: int, mb, paging):
+        """Micro-batch j's whole step from its unchanged inputs (its KV rows are rewritten
+        with the same values): its (logits, corrupt). Raises FFNError."""
+        carry, ctx = mb
+        for k in range(len(self.segments)):
+            carry = self._round_trip(k, j, self._attend(k, j, carry, ctx, paging))
+        return carry
+
+    def _dead(self):
+        """A failed micro-batch's (logits, corrupt): zeros (its requests are failed, not sampled)."""
+        rows = self.slots // self.m
+        return (jnp.zeros((rows, self.cfg.vocab_size), jnp.float32, device=self.batch_sharding),
+                jnp.zeros(self.ranks, jnp.int32, device=NamedSharding(self.mesh, P(tuple(self.mesh.axis_names)))))
+
     def _rerun(self, j: int, mb, paging, carries: list, failed: dict) -> None:
-        """Run micro-batch j's whole step again (its KV rows are rewritten with the same
-        values), up to ``ffn_retries`` times; if it still fails its logits are zeros (its
-        requests are failed, not sampled)."""
+        """Run micro-batch j's whole step again (:meth:`_chain`) up to ``ffn_retries`` times;
+        if it still fails its requests are failed (:meth:`_dead`)."""
         self.stats["ffn_failures"] += 1
-        tokens, ctx = mb
         for _ in range(self.ffn_retries):
-            carry = tokens
             try:
-                for k in range(len(self.segments)):
-                    carry = self._round_trip(k, j, self._attend(k, j, carry, ctx, paging))
+                carries[j] = self._chain(j, mb, paging)
             except FFNError as e:
                 failed[j] = e
                 continue
-            carries[j] = carry
             del failed[j]
             self.stats["ffn_retries_ok"] += 1
             return
-        rows = self.slots // self.m
-        carries[j] = jnp.zeros((rows, self.cfg.vocab_size), jnp.float32, device=self.batch_sharding)
+        carries[j] = self._dead()
 
-    def _failure(self, slot: int, error: FFNError) -> RequestError:
+    def _failure(self, slot: int, error: Exception) -> RequestError:
         req = self.slot_req[slot].request
         return RequestError(f"request {req.index}: decode step failed {1 + self.ffn_retries} time(s): {error}")
 
@@ -244,13 +304,14 @@ class AFDPool(DecodePool):
         self._record("attention", self._name(k, j), out, j)
         if moe is None:
             return out
-        (x, shared), payload = out
+        (x, shared, bad), payload = out
         with _ffn_errors(moe, j):
             sent, nbytes = self.exchange.to_ffn(payload)
         self.stats["a2f_bytes"][moe] += nbytes[0]              # the hidden states
-        self.stats["routing_bytes"][moe] += sum(nbytes[1:])    # weights, expert ids, valid
+        self.stats["routing_bytes"][moe] += sum(nbytes[1:-1])  # weights, expert ids, valid
+        self.stats["check_bytes"] += nbytes[-1]                # the seals' checksums
         self._record("a2f", self._name(k, j), sent, j)
-        return (x, shared), sent
+        return (x, shared, bad), sent
 
     def _round_trip(self, k: int, j: int, out):
         """The FFN side of segment k for micro-batch j and the F2A of its output: the next
@@ -259,14 +320,15 @@ class AFDPool(DecodePool):
         moe = self.segments[k][1]
         if moe is None:
             return out
-        (x, shared), sent = out
+        (x, shared, bad), sent = out
         with _ffn_errors(moe, j):
             routed = self.ffn(moe, sent)
             self._record("ffn", self._name(k, j), routed, j)
             back, nbytes = self.exchange.to_attention(routed)
-        self.stats["f2a_bytes"][moe] += sum(nbytes)
+        self.stats["f2a_bytes"][moe] += nbytes[0]
+        self.stats["check_bytes"] += nbytes[-1]
         self._record("f2a", self._name(k, j), back, j)
-        return x, shared, back
+        return x, shared, bad, back
 
     def _record(self, stream: str, name: str, array, microbatch: int) -> None:
         if self.timeline is not None:

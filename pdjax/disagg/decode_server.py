@@ -16,7 +16,8 @@ jobs wait until the client sends the address of a restarted prefill process (``p
 
 Client messages: ``hello{prefill}``, ``generate{request, prompt, max_new_tokens, sampling,
 stop_tokens[, handoff_timeout_s, prefix_cache, retention]}``, ``prefill{address}``,
-``stats``, ``shutdown``; to the client: ``token{request, token}``, ``done{request, tokens |
+``stats`` (the link's and the scheduler's counters and what the pool holds: :meth:`DecodeServer.held`),
+``shutdown``; to the client: ``token{request, token}``, ``done{request, tokens |
 error, kv_bytes, prefill_attempts, handoff_timeouts, prefix_hit_tokens, prefix_errors}``,
 ``stats{...}``, ``prefill_lost{why, address}`` (the address of the prefill process lost; a
 ``prefill{address}`` while connected replaces the connection, failing what was sent there).
@@ -152,13 +153,22 @@ class DecodeServer:
             r = self.link.receiver
             self.client.send({"op": "stats", "kv_bytes_received": r.bytes_received, "pulls": r.pulls,
                               "pull_seconds": r.pull_seconds, "link_throughput_Bps": r.throughput_Bps,
-                              **self.sched.stats})
+                              **self.sched.stats, **self.held()})
         elif op == "generate":
             event = self._submit(msg)
             if isinstance(event, Request):            # bad input: fails alone, before any compute
                 self._finish(event)
             else:
                 loop.handle(event)
+
+    def held(self) -> dict:
+        """What the decode side holds now: ``free_blocks`` per DP rank, ``reservations``
+        (blocks reserved for KV still arriving), ``running`` slots and prefill ``attempts``
+        in flight (all back to idle values once every request ended: nothing leaked)."""
+        pool = self.pool
+        return {"free_blocks": [pool.alloc.available(k) for k in range(pool.ranks)],
+                "reservations": len(pool.pending), "running": sum(r is not None for r in pool.slot_req),
+                "attempts": len(self.sched.attempts)}
 
     def _submit(self, msg: dict):
         """A client's ``generate``: the Submit event, or the Request with the error it fails with."""

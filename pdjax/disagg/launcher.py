@@ -64,7 +64,9 @@ class PDCluster:
     ``kv_bytes_received``, ``served`` (requests finished per instance), ``decode_restarts``,
     ``prefill_restarts``, ``link`` (the decode instances' counters since they started,
     summed: bytes, pulls, seconds in pulls, link_throughput_Bps, handoff_timeouts,
-    stale_messages, corrupt_payloads) and ``instances`` (each one's counters)."""
+    stale_messages, corrupt_payloads, malformed_payloads) and ``instances`` (each one's
+    counters, with what its pool holds once the batch is done: ``free_blocks`` per rank,
+    ``reservations``, ``running``, ``attempts``; see ``DecodeServer.held``)."""
 
     def __init__(self, preset: str = "tiny", seed: int = 0, *, num_decode: int = 1,
                  prefill_mesh: dict | None = None, decode_mesh: dict | None = None, prefill_devices: int = 4,

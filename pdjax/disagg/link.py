@@ -51,14 +51,23 @@ class Chunk:
     rank: int
 
 
-@jax.jit
-def checksum(rows) -> jax.Array:
-    """Two 32-bit sums of the rows' bit patterns, plain and position-weighted (Fletcher
-    style: a flipped bit or swapped rows change it). On device: no host sync."""
-    bits = jax.lax.bitcast_convert_type(rows, jnp.dtype(f"uint{8 * rows.dtype.itemsize}"))
+def bit_sums(a) -> jax.Array:
+    """Two 32-bit sums of ``a``'s bit patterns, plain and position-weighted (Fletcher style:
+    a flipped bit or swapped elements change it); any dtype of at most 32 bits, bool as
+    uint8. Traceable: called inside other programs (the AF exchange's seals)."""
+    if a.dtype == jnp.bool_:
+        bits = a.astype(jnp.uint8)
+    else:
+        bits = jax.lax.bitcast_convert_type(a, jnp.dtype(f"uint{8 * a.dtype.itemsize}"))
     flat = bits.reshape(-1).astype(jnp.uint32)
     weight = jnp.arange(1, flat.size + 1, dtype=jnp.uint32)
     return jnp.stack([flat.sum(dtype=jnp.uint32), (flat * weight).sum(dtype=jnp.uint32)])
+
+
+@jax.jit
+def checksum(rows) -> jax.Array:
+    """:func:`bit_sums` of a KV chunk's rows, as its own program. On device: no host sync."""
+    return bit_sums(rows)
 
 
 def checksums_to_host(sums: list) -> list:

@@ -1,7 +1,7 @@
 """Test-only fault injection at the KV link: :class:`FaultyLink` wraps any link
 (:mod:`pdjax.disagg.link`) and fails, stalls, delays, corrupts or kills on chosen chunks;
-:class:`SlowLink` slows its copies; :class:`FailingFFN` and :class:`SlowExchange` do the same
-to an AFD pool's FFN side and A2F exchange;
+:class:`SlowLink` slows its copies (afd_faults.py: the same for an AFD pool's FFN side and
+exchange, and a bit flipped on the exchange);
 :class:`ManualClock` lets a test drive the engines' time by hand. The two-process server
 is started with this folder's serve_faulty.py, which installs :func:`wrap` in its prefill
 process; :func:`inject_prefill_fault` arms faults there (:meth:`FaultyLink.arm`), and
@@ -63,11 +63,12 @@ class Fault:
                 and (self.tokens is None or chunk.start + chunk.rows.shape[0] == self.tokens))
 
 
-def flip_bit(rows):
-    """``rows`` with the lowest bit of its first element flipped (a corrupt byte on the wire)."""
+def flip_bit(rows, bit: int = 0):
+    """``rows`` with bit ``bit`` (default the lowest) of its first element flipped (a corrupt
+    byte on the wire)."""
     uint = jnp.dtype(f"uint{8 * rows.dtype.itemsize}")
     bits = jax.lax.bitcast_convert_type(rows, uint)
-    bits = bits.at[(0,) * bits.ndim].set(bits[(0,) * bits.ndim] ^ jnp.asarray(1, uint))
+    bits = bits.at[(0,) * bits.ndim].set(bits[(0,) * bits.ndim] ^ jnp.asarray(1 << bit, uint))
     return jax.device_put(jax.lax.bitcast_convert_type(bits, rows.dtype), rows.sharding)
 
 
@@ -86,7 +87,10 @@ def wrong_layout(desc: dict) -> dict:
 
 def malformed(kind: str, payload):
     """``payload`` (the link's moved rows) spoiled as ``kind``: one row more, on another
-    device (the last one), or in float16."""
+    device (the last one), or in float16. Across processes (a link whose payload is a
+    transfer descriptor) the rows are spoiled as they are offered: the descriptor announces
+    what is pulled, one row more or float16 (there is no "wrong device": the decode side
+    pulls onto its own; a layout other than offered is :data:`WRONG_LAYOUT`)."""
     if kind == "extra_row":
         return jnp.concatenate([payload, payload[:1]])
     if kind == "wrong_device":
@@ -127,12 +131,20 @@ class FaultyLink:
         if fault is not None:
             chunk = self._inject(fault, chunk)
         self.sent.append((chunk.request, chunk.attempt, chunk.layer, chunk.start))
+        offered = fault is not None and fault.kind in MALFORMED and self._offers
+        if offered:
+            chunk = dataclasses.replace(chunk, rows=malformed(fault.kind, chunk.rows))
         payload, nbytes = self.inner.send(chunk)
-        if fault is not None and fault.kind in MALFORMED:
+        if fault is not None and fault.kind in MALFORMED and not offered:
             payload = malformed(fault.kind, payload)
         elif fault is not None and fault.kind == WRONG_LAYOUT:
             payload = wrong_layout(payload)
         return payload, nbytes
+
+    @property
+    def _offers(self) -> bool:
+        """The inner link offers rows for a pull from another process (a TransferLink)."""
+        return getattr(self.inner, "sender", None) is not None
 
     def _inject(self, fault: Fault, chunk):
         key = (chunk.request, chunk.attempt)
@@ -163,7 +175,7 @@ class FaultyLink:
             self.release.wait()
             self.hanging -= 1
             raise ConnectionError("injected: a hung transfer was released")
-        if fault.kind in MALFORMED or fault.kind == WRONG_LAYOUT:     # spoiled after the inner send
+        if fault.kind in MALFORMED or fault.kind == WRONG_LAYOUT:     # spoiled in send
             return chunk
         raise ValueError(f"unknown fault kind {fault.kind!r}")
 
@@ -181,8 +193,12 @@ class FaultyLink:
             if "corrupt_prefix" in msg:
                 store = self.server.store
                 return {"op": "fault", "ok": True, "tier": corrupt_block(store, store.hashes(msg["corrupt_prefix"])[0])}
+            fault = Fault(**msg["fault"])
+            if fault.kind == "wrong_device" and self._offers:
+                raise ValueError("a wrong_device payload cannot cross processes (the decode side pulls onto "
+                                 "its own device): use wrong_layout")
             with self._lock:
-                self.faults.append(Fault(**msg["fault"]))
+                self.faults.append(fault)
             return {"op": "fault", "ok": True}
         except (AttributeError, KeyError, TypeError, ValueError, IndexError) as e:
             return {"op": "fault", "ok": False, "error": f"{type(e).__name__}: {e}"}
@@ -315,45 +331,3 @@ class SlowLink:
 
     def cancel(self, request: int, attempt: int) -> None:
         self.inner.cancel(request, attempt)
-
-
-class FailingFFN:
-    """Wraps an AFD pool's FFN side (``pool.ffn``): the calls numbered in ``fail_calls``
-    (0, 1, ... in the order the pool makes them) raise, as an FFN rank that went down."""
-
-    def __init__(self, inner, fail_calls=()):
-        self.inner, self.fail_calls, self.calls = inner, set(fail_calls), 0
-
-    def __call__(self, layer, pieces):
-        n, self.calls = self.calls, self.calls + 1
-        if n in self.fail_calls:
-            raise ConnectionError(f"injected: an FFN rank is down (call {n}, layer {layer})")
-        return self.inner(layer, pieces)
-
-
-class SlowExchange:
-    """An AFD exchange whose A2F copies take ~0.1 s of device time each, asynchronously (the
-    sender is not held up): the hidden states' piece on the FFN mesh's first device is
-    ready only after a chain of matmuls there, a single-device op like the copy itself (on
-    XLA:CPU, programs over several devices start one at a time, in issue order)."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.attention_mesh, self.ffn_mesh = inner.attention_mesh, inner.ffn_mesh
-        self._device = inner.ffn_mesh.devices.flat[0]
-        self._m = jax.device_put(jnp.full((320, 320), 0.01, jnp.float32), self._device)
-
-    def parts(self, mesh):
-        return self.inner.parts(mesh)
-
-    def to_ffn(self, pieces):
-        moved, nbytes = self.inner.to_ffn(pieces)
-        return tuple((self._slow(hidden),) + tuple(rest) for hidden, *rest in moved), nbytes
-
-    def _slow(self, array):
-        shards = [_slow_identity(_slow_identity(s.data, self._m), self._m) if s.device == self._device else s.data
-                  for s in array.addressable_shards]
-        return jax.make_array_from_single_device_arrays(array.shape, array.sharding, shards)
-
-    def to_attention(self, pieces):
-        return self.inner.to_attention(pieces)

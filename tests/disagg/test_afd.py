@@ -15,7 +15,8 @@ from pdjax.disagg import AFDEngine, RequestError
 from pdjax.disagg.request import Request
 from pdjax.disagg.timeline import Timeline
 
-from faults import Fault, FailingFFN, SlowExchange, assert_nothing_held, free_blocks, run_with_faults, run_with_hang
+from afd_faults import FailingFFN, FlippingExchange, SlowExchange
+from faults import Fault, assert_nothing_held, free_blocks, run_with_faults, run_with_hang
 from host_transfers import device_fetches
 
 # a donation XLA cannot honour (no output to alias) warns: make it fail the tests
@@ -105,6 +106,7 @@ def test_afd_equals_generate(engines, prompts, expected, M, N, m):
     assert e.generate([prompts[i] for i in some], max_new_tokens=NEW) == [expected[i] for i in some]
     afd = e.stats["afd"]
     assert afd["steps"] > 0 and afd["ffn_failures"] == 0 and afd["microbatches"] == m
+    assert afd["exchange_corrupt"] == 0                      # a clean run: every seal matched
 
 
 def test_each_side_holds_its_weights(cfg, eng):
@@ -125,7 +127,7 @@ def test_exchange_moves_exactly_the_hidden_states(cfg, eng, prompts, expected):
     """One request: NEW - 1 decode steps (the first token is the prefill's), each moving every
     slot's row (empty slots' rows cross too: the step's shapes are static) of each MoE layer
     once each way; routing (ids, weights int32/float32 [k], the valid flag) apart; dense
-    layers move nothing."""
+    layers move nothing. Each piece's seal (2 uint32 per leaf: 4 leaves A2F, 1 F2A) counted apart."""
     assert eng.generate([prompts[2]], max_new_tokens=NEW) == [expected[2]]
     afd, D, k, item = eng.stats["afd"], cfg.hidden_size, cfg.num_experts_per_tok, np.dtype(cfg.compute_dtype).itemsize
     moe = [l for l in range(cfg.num_hidden_layers) if cfg.is_moe_layer(l)]
@@ -133,6 +135,8 @@ def test_exchange_moves_exactly_the_hidden_states(cfg, eng, prompts, expected):
     assert afd["steps"] == NEW - 1
     assert afd["a2f_bytes"] == afd["f2a_bytes"] == {l: rows * D * item for l in moe}
     assert afd["routing_bytes"] == {l: rows * (2 * k * 4 + 1) for l in moe}
+    pieces = afd["steps"] * len(moe) * eng.decode.m * eng.decode.exchange.pieces
+    assert afd["check_bytes"] == pieces * (4 + 1) * 2 * 4
 
 
 def _admit(pool, cfg, params, prompts):
@@ -157,11 +161,15 @@ def _admit(pool, cfg, params, prompts):
 def test_logits_equal_the_model_step_by_step_and_a_failed_ffn_call_is_retried(cfg, params, eng, prompts):
     """The pool filled (8 requests: both micro-batches on every rank). Each step's logits are
     the model's decode step's on the same prompts; an FFN call that raises once is retried
-    and changes nothing."""
+    and changes nothing; so does a bit flipped on the A2F in step 1 (caught by its checksum,
+    the micro-batch run again and the step sampled again from the state before it)."""
     pool = eng.decode
     slots, cache, toks = _admit(pool, cfg, params, prompts)
     assert {pool.microbatch(s) for s in slots} == {0, 1}
     inner, pool.ffn = pool.ffn, FailingFFN(pool.ffn, fail_calls={1})     # layer 1, micro-batch 1, step 0
+    # A2F calls of step 0: layer 1 mb 0, mb 1 (its FFN call fails), layer 2 mb 0, mb 1's rerun (2):
+    # call 6 is step 1's layer 1 mb 1
+    exchange = pool.exchange = FlippingExchange(pool.exchange, a2f={6})
     try:
         for _ in range(NEW - 1):
             want, cache = pdjax.decode_step(params, cfg, toks, cache)
@@ -171,10 +179,11 @@ def test_logits_equal_the_model_step_by_step_and_a_failed_ffn_call_is_retried(cf
             toks = np.argmax(np.asarray(want), -1).astype(np.int32)
             assert {i: got[s] for s, i in slots.items()} == dict(enumerate(toks.tolist()))
     finally:
-        pool.ffn = inner
+        pool.ffn, pool.exchange = inner, exchange.inner
         for s in slots:
             pool.release(s)
     assert pool.ffn is inner and pool.stats["ffn_retries_ok"] == 1
+    assert exchange.flipped == [("a2f", 6)] and pool.stats["exchange_corrupt"] == 1
 
 
 def test_ffn_failure_fails_only_its_microbatch(cfg, params, eng, prompts):
@@ -204,6 +213,46 @@ def test_ffn_failure_fails_only_its_microbatch(cfg, params, eng, prompts):
             pool.release(s)
 
 
+@pytest.mark.parametrize("direction, call", [("a2f", 0), ("f2a", 3)])
+def test_a_flipped_bit_on_the_exchange_is_detected_and_the_step_rerun(eng, prompts, expected, direction, call):
+    """A float32's top exponent bit flips on the wire in the hidden states (A2F) or in the
+    experts' output (F2A): the receiving program's checksum differs from the seal, the
+    micro-batch's step runs again from its unchanged inputs: the tokens are pdjax.generate's,
+    the stats count one detection and nothing stays held."""
+    free, ex = free_blocks(eng), eng.decode.exchange
+    eng.decode.exchange = flipping = FlippingExchange(ex, **{direction: {call}})
+    try:
+        out = eng.generate(prompts[:4], max_new_tokens=NEW)
+    finally:
+        eng.decode.exchange = ex
+    assert flipping.flipped == [(direction, call)]
+    assert out == expected[:4]
+    assert eng.stats["afd"]["exchange_corrupt"] == 1 and eng.stats["afd"]["ffn_failures"] == 0
+    assert_nothing_held(eng, free)
+
+
+def test_an_exchange_corrupt_on_every_attempt_fails_only_its_microbatch(cfg, params, eng, prompts):
+    """Micro-batch 1's A2F arrives corrupt in step 0 and again in its rerun: its requests get a
+    RequestError naming the corrupt exchange, micro-batch 0's tokens are the model's."""
+    pool = eng.decode
+    pool.begin()
+    slots, cache, toks = _admit(pool, cfg, params, prompts)
+    exchange = pool.exchange = FlippingExchange(pool.exchange, a2f={1, 4})   # mb 1 at layer 1, then its rerun
+    try:
+        want, _ = pdjax.decode_step(params, cfg, toks, cache)
+        got = pool.step()
+    finally:
+        pool.exchange = exchange.inner
+        for s in pool.active:
+            pool.release(s)
+    assert exchange.flipped == [("a2f", 1), ("a2f", 4)] and pool.stats["exchange_corrupt"] == 2
+    for s, i in slots.items():
+        if pool.microbatch(s) == 1:
+            assert isinstance(got[s], RequestError) and "corrupt payload to micro-batch 1" in str(got[s]), got[s]
+        else:
+            assert got[s] == int(np.argmax(np.asarray(want[i])))
+
+
 def test_engine_fails_the_requests_of_a_failed_step_and_serves_the_rest(eng, prompts, expected):
     """Every FFN call of the first decode step fails (and their reruns): the requests running
     then end with a RequestError, the others (arriving later) finish exactly; what was
@@ -224,7 +273,8 @@ def test_engine_fails_the_requests_of_a_failed_step_and_serves_the_rest(eng, pro
 
 def test_step_never_waits_on_the_host_but_for_the_tokens(cfg, params, engines, prompts):
     """Nothing is copied from the host in a step and the one device-to-host copy is the
-    tokens: the exchange's copies (M != N too) never go through the host."""
+    tokens (with the exchange's checksum verdicts): the exchange's copies (M != N too) never
+    go through the host."""
     for e in (engines(4, 4, 2), engines(2, 6, 1)):
         pool = e.decode
         slots, _, _ = _admit(pool, cfg, params, prompts[:2])
@@ -234,7 +284,7 @@ def test_step_never_waits_on_the_host_but_for_the_tokens(cfg, params, engines, p
                 pool.step()
         for s in slots:
             pool.release(s)
-        assert fetches == [(pool.slots,)] * 2
+        assert fetches == [(pool.slots + pool.m,)] * 2             # the tokens and each micro-batch's verdict
 
 
 def test_microbatches_ping_pong(cfg, eng, prompts, expected, tmp_path):
