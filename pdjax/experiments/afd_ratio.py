@@ -244,7 +244,7 @@ def _headline(sim: list[dict], mrows: list[dict]) -> str:
 
 
 def _plot(sim: list[dict], mrows: list[dict], c: Config):
-    from matplotlib.figure import Figure
+    from pdjax.schedules.figure import Figure
     fig = Figure(figsize=(11, 4))
     ax, bx = fig.subplots(1, 2)
     for ctx in sorted({r["context"] for r in sim}):

@@ -125,7 +125,7 @@ def summarize(rows, c: Config) -> dict:
 
 def figure(rows, c: Config):
     """Simulated bubble ratio against m, one panel per P (a matplotlib Figure, no pyplot)."""
-    from matplotlib.figure import Figure
+    from pdjax.schedules.figure import Figure
 
     ps = stages(c)
     fig = Figure(figsize=(4.2 * len(ps), 3.8))

@@ -31,7 +31,7 @@ class Config(Header):
 
 
 def _figure(rows: list[dict], attn_shares, layers: int):
-    from matplotlib.figure import Figure
+    from pdjax.schedules.figure import Figure
     fig = Figure(figsize=(6, 4))
     ax = fig.subplots()
     for a in attn_shares:

@@ -186,7 +186,7 @@ def run(c: Config, out_dir: str) -> Result:
 
 
 def _plot(summary, long_arrivals):
-    from matplotlib.figure import Figure
+    from pdjax.schedules.figure import Figure
     fig = Figure(figsize=(8, 3.5))
     ax = fig.subplots()
     for name, style in (("colocated", "tab:red"), ("colocated_chunked", "tab:orange"), ("pd", "tab:blue")):

@@ -160,7 +160,7 @@ def _markdown(gaps: list[dict]) -> str:
 
 
 def figure(points: list[dict], settings, p: int):
-    from matplotlib.figure import Figure    # not pyplot: the user's backend stays as it is
+    from pdjax.schedules.figure import Figure    # not pyplot: the user's backend stays as it is
 
     cols = min(2, len(settings))
     rows = -(-len(settings) // cols)

@@ -165,8 +165,9 @@ def pd_kwargs(c, link: float) -> dict:
 
 
 def figure(**kwargs):
-    """A matplotlib Figure, drawn without pyplot (no global backend or figure state)."""
-    from matplotlib.figure import Figure
+    """A matplotlib Figure, drawn without pyplot (no global backend or figure state), that a
+    notebook shows (:class:`pdjax.schedules.Figure`)."""
+    from pdjax.schedules.figure import Figure
     return Figure(**kwargs)
 
 

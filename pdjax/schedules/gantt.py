@@ -1,5 +1,6 @@
 """Gantt charts of simulated schedules (matplotlib Figures, drawn without pyplot: the user's
-backend and figure state are never touched).
+backend and figure state are never touched; a new one is a :class:`~pdjax.schedules.figure.Figure`,
+which a notebook shows as its image).
 
 One row per rank, time on the x axis, a colour per op kind; an overlapped F&B pair is
 drawn half forward colour (top) and half backward colour (bottom), as in the DualPipe
@@ -10,13 +11,15 @@ that are wide enough; white space is bubble.
 
 from __future__ import annotations
 
-import io
+import base64
+import html
 from pathlib import Path
 
+import numpy as np
 from matplotlib.colors import to_rgb
-from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from .figure import Figure, png_bytes
 from .ops import OVERLAP
 
 COLORS = {"F": "#f2a33a", "B": "#4c9be8", "I": "#2bb3a3", "W": "#8cc152"}
@@ -90,7 +93,20 @@ def save(fig, path) -> None:
 
 def timeline_png(timeline) -> bytes:
     """PNG bytes of the Gantt chart (for notebooks' ``_repr_png_``)."""
-    fig = draw(timeline)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    return buf.getvalue()
+    return png_bytes(draw(timeline))
+
+
+def timeline_html(timeline, png: bytes | None = None) -> str:
+    """The timeline's summary line above its Gantt chart (an inline PNG): what a notebook
+    shows, since frontends prefer HTML to PNG when an object offers both."""
+    png = timeline_png(timeline) if png is None else png
+    summary = (f"{timeline.schedule}: makespan {timeline.makespan:g}, bubble ratio {timeline.bubble_ratio:.3f}, "
+               f"bubbles per rank {np.round(timeline.bubble, 6).tolist()}")
+    return (f"<div><pre>{html.escape(summary)}</pre>"
+            f"<img src='data:image/png;base64,{base64.b64encode(png).decode()}'></div>")
+
+
+def timeline_bundle(timeline) -> dict:
+    """``{"image/png", "text/html"}`` of the timeline, its chart drawn once."""
+    png = timeline_png(timeline)
+    return {"image/png": png, "text/html": timeline_html(timeline, png)}

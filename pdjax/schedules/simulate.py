@@ -98,8 +98,16 @@ class Timeline:
         return timeline_png(self)
 
     def _repr_html_(self) -> str:
-        return (f"<pre>{self.schedule}: makespan {self.makespan:g}, bubble ratio "
-                f"{self.bubble_ratio:.3f}, bubbles per rank {np.round(self.bubble, 6).tolist()}</pre>")
+        from .gantt import timeline_html
+
+        return timeline_html(self)
+
+    def _repr_mimebundle_(self, include=None, exclude=None) -> dict:
+        """A notebook's display: the Gantt chart, as PNG and as HTML under the summary line
+        (frontends prefer HTML), drawn once."""
+        from .gantt import timeline_bundle
+
+        return timeline_bundle(self)
 
 
 def _per_stage(name: str, value, num_stages: int, unit: str = "stage") -> np.ndarray:
@@ -195,6 +203,9 @@ def simulate(schedule, F=1.0, B=2.0, W=1.0, FB=None, comm=0.0, *, I=None, FI=Non
     ``check`` runs the validator first (clear errors for broken schedules); the engine
     itself still reports a deadlock. Cost grows linearly with the number of ops.
     """
+    if not hasattr(schedule, "ops") or not hasattr(schedule, "layout"):
+        raise TypeError(f"schedule must be a Schedule (pdjax.pipeline.build, Schedule.from_csv), "
+                        f"got {type(schedule).__name__}")
     if check:
         schedule.validate()
     c = stage_costs(schedule.num_stages, F=F, B=B, W=W, FB=FB, comm=comm, I=I, FI=FI)
