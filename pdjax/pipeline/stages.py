@@ -60,6 +60,9 @@ def split_layers(num_layers: int, num_chunks: int, layers=None) -> tuple[Chunk, 
     if layers is None:
         q, r = divmod(num_layers, num_chunks)
         layers = [q + (1 if c < r else 0) for c in range(num_chunks)]
+    if isinstance(layers, (str, bytes)) or not hasattr(layers, "__len__"):
+        raise TypeError(f"layers_per_stage must be a list of {num_chunks} non-negative ints (one per chunk of "
+                        f"the pipeline), got {layers!r}")
     layers = list(layers)
     if len(layers) != num_chunks or any(not isinstance(n, int) or n < 0 for n in layers):
         raise ValueError(f"layers_per_stage must be {num_chunks} non-negative ints (one per chunk of the "
