@@ -351,3 +351,14 @@ def test_engine_survives_a_stalled_a_hung_and_a_malformed_send(eng, prompts, exp
         assert_nothing_held(eng, free)
     finally:
         eng.handoff_timeout_s = None
+
+
+def test_bad_requests_fail_alone(cfg, eng, prompts, expected):
+    """Empty, out-of-vocabulary, nested, float and over-long prompts and a bool count each get
+    their RequestError; the good requests around them decode exactly as pdjax.generate."""
+    batch = [prompts[1], [], [cfg.vocab_size], [[1, 2], [3, 4]], prompts[3], [2.9, 7], [1] * 300, prompts[0]]
+    out = eng.generate(batch, max_new_tokens=[NEW] * 7 + [True])
+    assert out[0] == expected[1] and out[4] == expected[3]
+    for i, says in ((1, "empty prompt"), (2, "outside"), (3, "flat list"), (5, "float64"), (6, "exceeds the context"),
+                    (7, "max_new_tokens must be a positive integer, got True")):
+        assert isinstance(out[i], RequestError) and says in str(out[i]), (i, out[i])

@@ -41,7 +41,8 @@ def test_pd_equals_generate_and_sends_exact_latent_bytes(tiny_cfg, pd, prompts, 
 
 def test_colocated_equals_generate_with_and_without_prefix_hits(tiny_cfg, tiny_params, prompts, expected):
     """The prefix cache on: the first run computes every prefix but one (the second prompt of
-    the shared 40-token prefix hits two blocks), the second hits every full block."""
+    the shared 40-token prefix hits two blocks), the second hits every full block; bad
+    requests then fail alone beside good ones."""
     col = ColocatedEngine(tiny_params, tiny_cfg, devices=jax.devices()[:4], mesh={"expert": 4},
                           max_decode_slots=4, max_context=256, prefix_cache=True)
     # the params are on the devices once: both pools use the same buffers
@@ -53,6 +54,11 @@ def test_colocated_equals_generate_with_and_without_prefix_hits(tiny_cfg, tiny_p
     assert [r["prefix_hit_tokens"] for r in col.stats["requests"]] == [0] * 7 + [32]
     assert col.generate(prompts, max_new_tokens=5) == expected
     assert [r["prefix_hit_tokens"] for r in col.stats["requests"]] == [((len(p) - 1) // 16) * 16 for p in prompts]
+    # bad requests fail alone on the colocated engine too
+    out = col.generate([prompts[1], [], [[1, 2], [3, 4]], [tiny_cfg.vocab_size], prompts[3]], max_new_tokens=5)
+    assert out[0] == expected[1] and out[4] == expected[3]
+    for i, says in ((1, "empty prompt"), (2, "flat list"), (3, "outside")):
+        assert isinstance(out[i], RequestError) and says in str(out[i]), (i, out[i])
 
 
 def test_bad_requests_fail_alone(pd, tiny_cfg, prompts, expected):
