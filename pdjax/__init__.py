@@ -12,13 +12,19 @@ The model API is pure functions over param pytrees::
 Every subpackage is an attribute (``pdjax.analysis``, ``pdjax.pipeline``, ``pdjax.sim``,
 ``pdjax.disagg``, ``pdjax.parallel``, ``pdjax.model``, ``pdjax.experiments``), imported on
 first use: ``import pdjax`` itself loads no jax, and the pure-Python parts (schedules,
-analysis, the serving simulator) never do.
+analysis, the serving simulator) never do. ``import pdjax`` turns on jax's persistent
+compilation cache in ``~/.cache/pdjax/jax`` unless a cache directory is set or
+``PDJAX_NO_COMPILATION_CACHE=1`` (:mod:`pdjax.compilation`).
 """
 
 import importlib
 
-from pdjax import configs
+from pdjax import compilation, configs
 from pdjax.config import ModelConfig, RopeScaling
+
+# jax's persistent compilation cache in the user's cache directory, unless they chose one or
+# opted out (PDJAX_NO_COMPILATION_CACHE=1): see pdjax.compilation
+compilation.enable_default_cache()
 
 SUBPACKAGES = ("analysis", "api", "cluster", "disagg", "experiments", "model", "parallel", "pipeline", "schedules", "sim")
 

@@ -39,7 +39,7 @@ from pdjax.config import ModelConfig
 from pdjax.pipeline import executor_checks as ec
 from pdjax.pipeline import spanning
 from pdjax.pipeline import stages as st
-from pdjax.pipeline.compiled import CompiledStage, compile_all
+from pdjax.pipeline.compiled import CompiledStage, compile_all, compiling, warm_helpers
 from pdjax.pipeline.rank import Rank
 from pdjax.schedules.ops import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, OverlapFB
 from pdjax.pipeline.runtime import StepRun
@@ -189,9 +189,19 @@ class Executor:
         key = (B, T, tuple((a.shape, str(a.dtype), a.sharding) for a in jax.tree.leaves(staged)))
         if key in self._compiled:
             return self._compiled[key]
+        with compiling(f"{self.schedule.name} ({self.schedule.num_ranks} ranks)"):
+            info = self._compile_stages(staged, B, T)
+            if isinstance(params_or_staged, dict) and self.spanning is None:  # the step's jnp helpers too
+                warm_helpers(self, info, staged, params_or_staged)
+        self._compiled[key] = info
+        return info
+
+    def _compile_stages(self, staged, B: int, T: int) -> list:
+        """The forwards (with the gradient accumulators' zeros), then the backwards."""
         b = B // self.schedule.num_microbatches
         scale = 1.0 / (B * (T - 1))
         info, jobs = [None] * self.schedule.num_stages, [None] * self.schedule.num_stages
+        zeros = [None] * self.schedule.num_stages
         for pipe in self.schedule.layout.pipelines:        # in pipeline order: a stage's input
             prev = None                                    # dtype is its predecessor's output's
             for s in pipe.stages:
@@ -202,23 +212,24 @@ class Executor:
                           else self._spec((b, T, self.cfg.hidden_size), prev.y_shape.dtype, rank.batch(3)))
                 tok_spec = self._spec((b, T), jnp.int32, rank.batch(2)) if chunk.last else None
                 prog = st.stage_program(self.cfg, chunk, rank.moe_impl, scale, sp_spec, x_spec, tok_spec)
+                zero = jax.jit(_zeros_like, out_shardings=jax.tree.map(lambda a: a.sharding, sp_spec))
                 info[s] = CompiledStage(prog=prog, rank=rank, chunk=chunk, sp=sp_spec, x=x_spec, tok=tok_spec,
-                                        x_arg=x_spec if prog.keeps_input else None,
-                                        zeros=jax.jit(_zeros_like,
-                                                      out_shardings=jax.tree.map(lambda a: a.sharding, sp_spec)))
+                                        x_arg=x_spec if prog.keeps_input else None, zeros=zero)
                 if self._here(s):
                     jobs[s] = ((prog.key, "F"), prog.F, (sp_spec, x_spec, tok_spec))
+                    zeros[s] = (("zeros",), zero, (sp_spec,))   # compiled now: not in the first step
                 prev = prog
         here = [s for s in range(len(info)) if self._here(s)]
-        for s, f in zip(here, compile_all([jobs[s] for s in here])):
+        compiled = compile_all([jobs[s] for s in here] + [zeros[s] for s in here])
+        for s, f, z in zip(here, compiled, compiled[len(here):]):
             i = info[s]
+            i.zeros = z
             prog = i.prog
             y_sh, res_sh = f.output_shardings
             i.F = f
             i.res = [self._spec(a.shape, a.dtype, sh) for a, sh in zip(prog.res_shapes, res_sh)]
             i.gy = self._spec(prog.y_shape.shape, prog.y_shape.dtype, y_sh)
         self._compile_backwards(info)
-        self._compiled[key] = info
         return info
 
     def _compile_backwards(self, info):
