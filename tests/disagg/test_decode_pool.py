@@ -196,3 +196,26 @@ def test_warm_up_compiles_every_view_bucket(tiny_cfg, tiny_params, handoff):
     assert decode._step._cache_size() == compiled
     with pytest.raises(RuntimeError, match="empty decode pool"):
         pool.warm_up()
+
+
+def test_paged_cache_accounting_and_unsharded_multi_row_write(tiny_cfg):
+    """Mutation-testing gaps (docs/mutation.md): the smallest pool (2 blocks: scratch + one)
+    is accepted, the cache's bytes per token and dtype, and the unsharded write_and_view
+    writing several rows across a block boundary at their positions."""
+    import jax.numpy as jnp
+    from pdjax.model.paged import PagedLayer, init_paged_cache
+    cache = init_paged_cache(tiny_cfg, slots=2, num_blocks=2, block_size=4, blocks_per_slot=1, dtype="float32")
+    with pytest.raises(ValueError, match="num_blocks must be >= 2"):
+        init_paged_cache(tiny_cfg, slots=2, num_blocks=1, block_size=4, blocks_per_slot=1)
+    assert cache.dtype == jnp.float32
+    assert cache.nbytes_per_token() == tiny_cfg.num_hidden_layers * tiny_cfg.kv_latent_dim * 4
+    W = 3
+    layer = PagedLayer(jnp.zeros((1, 3, 4, W), jnp.float32), jnp.array([[2, 1]], jnp.int32))
+    assert layer.dtype == jnp.float32 and layer.shape == (1, 8, W)
+    new = jnp.arange(1.0, 1.0 + 3 * W).reshape(1, 3, W)           # positions 2, 3 | 4
+    layer, view = layer.write_and_view(new, jnp.array([2], jnp.int32))
+    want = np.zeros((1, 8, W), np.float32)
+    want[0, 2:5] = np.asarray(new[0])
+    np.testing.assert_array_equal(np.asarray(view), want)
+    np.testing.assert_array_equal(np.asarray(layer.pool[0, 2, 2:]), np.asarray(new[0, :2]))   # block 2 first
+    np.testing.assert_array_equal(np.asarray(layer.pool[0, 1, 0]), np.asarray(new[0, 2]))

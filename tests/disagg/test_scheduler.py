@@ -220,3 +220,50 @@ def test_scheduler_bad_arguments():
         DecodeScheduler(FakePool(1, 1), max_prefill_attempts=0)
     with pytest.raises(ValueError, match="handoff_timeout_s"):
         DecodeScheduler(FakePool(1, 1), handoff_timeout_s=0)
+
+
+def test_retried_attempts_bytes_and_counters_are_exact():
+    """Mutation-testing gaps (docs/mutation.md): an attempt that sent layers and then failed
+    takes its bytes back (kv_bytes_sent counts the completing attempt only), and each counter
+    starts at 0 and counts one per event."""
+    pool = FakePool(slots=1, blocks=10)
+    s = DecodeScheduler(pool, max_prefill_attempts=3, checksum=fake_checksum)
+    assert s.stats == dict.fromkeys(["handoff_timeouts", "stale_messages", "pool_full", "corrupt_payloads",
+                                     "malformed_payloads"], 0)
+    req = Request(0, [1] * 5, 2)
+    actions = s.handle(Submit(req, 0.0))
+    assert [a.attempt.number for a in actions if isinstance(a, StartPrefill)] == [1]
+    s.handle(Started(0, 1, 0.1))
+    for layer in range(2):                                     # two layers, then the link drops
+        s.handle(LayerArrived(0, 1, layer, 5, 0, 10, 0.2))
+    assert req.kv_bytes_sent == 20
+    s.handle(Failed(0, 1, "link dropped", 0.3))
+    assert req.kv_bytes_sent == 0
+    for n, corrupt in ((2, 1), (3, None)):                     # attempt 2 arrives altered, 3 intact
+        s.handle(Started(0, n, 0.4))
+        for layer in range(LAYERS):
+            s.handle(LayerArrived(0, n, layer, 5, 0, 10, 0.5))
+        s.handle(Ready(0, n, 7, 0.6, checksums=[[l, 0, 5 + (l == corrupt), 7] for l in range(LAYERS)]))
+    assert req.kv_bytes_sent == 10 * LAYERS and req.prefill_attempts == 3 and req.error is None
+    assert s.stats == {"handoff_timeouts": 0, "stale_messages": 0, "pool_full": 0, "corrupt_payloads": 1,
+                       "malformed_payloads": 0}
+
+
+def test_a_failed_decode_slot_ends_its_request_with_the_error():
+    """Mutation-testing gap (docs/mutation.md): the step's RequestError becomes the request's
+    error (not a normal finish), its slot is freed and the other slot's token stands."""
+    pool = FakePool(slots=2, blocks=10)
+    s = DecodeScheduler(pool)
+    reqs = [Request(i, [1] * 5, 3) for i in range(2)]
+    for r in reqs:
+        s.handle(Submit(r, 0.0))
+        for layer in range(LAYERS):
+            s.handle(LayerArrived(r.index, 1, layer, 5, 0, 10, 0.1))
+        s.handle(Ready(r.index, 1, 5, 0.2))
+    slot = {res.request.index: k for k, res in enumerate(pool.slot_req)}
+    err = RequestError("the decode step failed this slot")
+    out = s.handle(Stepped({slot[0]: err, slot[1]: 7}, 0.3))
+    assert [a.request.index for a in out if isinstance(a, Finished)] == [0]
+    assert reqs[0].error is err and reqs[0].finish_time is None and reqs[0].output == [5]
+    assert reqs[1].error is None and reqs[1].output == [5, 7] and s.remaining == 1
+    assert pool.slot_req[slot[0]] is None and pool.slot_req[slot[1]] is not None

@@ -312,3 +312,26 @@ def test_experts_for_rows_ignores_empty_rows_and_is_exact(skew):
     want = np.zeros_like(got)
     want[real] = loop_reference(p, rows[real], np.ones((20, 1), np.float32), ids[real][:, None])
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_loop_tile_rows_is_an_int_half_bucket():
+    """Mutation-testing gap (docs/mutation.md): half a bucket rounded up, an int (a tile
+    size), at least min(C, 16)."""
+    from pdjax.model.moe_dispatch import loop_tile_rows
+    got = [loop_tile_rows(C) for C in (1, 8, 20, 32, 33, 64, 101)]
+    assert got == [1, 8, 16, 16, 17, 32, 51] and all(type(t) is int for t in got)
+
+
+def test_sorted_rows_past_the_packed_key_range():
+    """Mutation-testing gap (docs/mutation.md): (E+1)*R >= 2**31 would overflow the packed
+    int32 (expert, row) key, so the plan sorts the pair; it must still be a stable sort."""
+    from pdjax.model.moe_dispatch import SortedRows
+    E, R = 2 ** 20, 2 ** 11                                   # (E+1)*R just past 2**31
+    rng = np.random.default_rng(0)
+    expert = rng.choice(np.array([0, 5, E - 1, E]), size=R)   # E: an empty row
+    plan = SortedRows(jnp.asarray(expert, jnp.int32), E)
+    want = np.argsort(expert, kind="stable")
+    np.testing.assert_array_equal(np.asarray(plan.sorted_row), want)
+    counts = np.asarray(plan.counts)
+    assert [counts[e] for e in (0, 5, E - 1)] == [int((expert == e).sum()) for e in (0, 5, E - 1)]
+    assert counts.sum() == int((expert < E).sum())

@@ -79,3 +79,30 @@ def test_large_deadlock_is_fast():
 def test_schedule_rejects_wrong_rank_count():
     with pytest.raises(ValueError, match="rank programs"):
         Schedule("t", Layout.chain([0, 1], 1), ((F(0, 0), B(0, 0)),))
+
+
+# Mutation-testing gaps (docs/mutation.md): the stage one past the last, the micro-batch range
+# in the message, and the end-of-schedule counts read at a later stage and micro-batch.
+def _gpipe_3(last_rank_ops):
+    first = [F(0, 0), F(0, 1), F(0, 2), B(0, 0), B(0, 1), B(0, 2)]
+    return _chain([first, last_rank_ops], 3)
+
+
+def test_the_stage_one_past_the_last_is_a_schedule_error():
+    with pytest.raises(pp.ScheduleError, match=r"rank 1 op #0 2F0: stage 2 does not exist"):
+        _chain([[F(0, 0), B(0, 0)], [F(2, 0)]], 1).validate()
+
+
+def test_an_out_of_range_microbatch_names_the_pipeline_range():
+    with pytest.raises(pp.ScheduleError, match=r"micro-batch 3 is not in stage 1's pipeline \(micro-batches 0\.\.2\)"):
+        _gpipe_3([F(1, 0), B(1, 0), F(1, 1), B(1, 1), F(1, 2), B(1, 2), F(1, 3)]).validate()
+
+
+def test_counts_are_checked_at_a_later_stage_and_microbatch():
+    _gpipe_3([F(1, 0), B(1, 0), F(1, 1), B(1, 1), F(1, 2), B(1, 2)]).validate()
+    with pytest.raises(pp.ScheduleError, match=r"rank 1: stage 1 micro-batch 2 has 1I2 but no 1W2"):
+        _gpipe_3([F(1, 0), B(1, 0), F(1, 1), B(1, 1), F(1, 2), I(1, 2)]).validate()
+    with pytest.raises(pp.ScheduleError, match=r"rank 1: stage 1 micro-batch 2 has no forward \(expected op 1F2\)"):
+        _gpipe_3([F(1, 0), B(1, 0), F(1, 1), B(1, 1)]).validate()
+    with pytest.raises(pp.ScheduleError, match=r"rank 1: stage 1 micro-batch 2 has no backward"):
+        _gpipe_3([F(1, 0), B(1, 0), F(1, 1), B(1, 1), F(1, 2)]).validate()
