@@ -255,3 +255,19 @@ def test_quickstart_section():
     assert "56.9x" in text and "295 FLOP/B" in text and "C_max" in text
     tiny = quickstart_section(pdjax.configs.tiny(), "a100")
     assert tiny.startswith("### ") and "MLA" in tiny and "MHA" in tiny
+
+
+def test_kv_defaults_and_the_zero_free_memory_boundary():
+    """The KV formulas default to 2-byte (bf16) values and no activation reserve; memory that
+    the weights and activations fill exactly leaves nothing for KV: an error, as over-full
+    memory is (boundaries found unpinned by mutation testing)."""
+    from pdjax.analysis import kv
+
+    cfg = pdjax.configs.deepseek_v3()
+    assert kv.kv_bytes_per_token(cfg) == kv.kv_bytes_per_token(cfg, 2) == 2 * cfg.num_hidden_layers * \
+        (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    assert kv.kv_bytes_per_sequence(cfg, 100) == 100 * kv.kv_bytes_per_token(cfg, 2)
+    assert kv.free_memory_bytes(100.0, 40.0) == kv.free_memory_bytes(100.0, 40.0, 0.0) == 60.0
+    with pytest.raises(ValueError, match="do not fit"):
+        kv.free_memory_bytes(100.0, 60.0, 40.0)
+    assert kv.free_memory_bytes(100.0, 60.0, 39.0) == 1.0

@@ -198,3 +198,19 @@ def test_weighted_memory_matches_program_order_reference(name, n, extra, f, i, w
 def test_bad_memory(memory, error, pattern):
     with pytest.raises(error, match=pattern):
         pp.simulate(pp.build("zb1p", 4, 8), memory=memory)
+
+
+def test_default_costs_are_the_documented_ones_and_a_non_schedule_is_refused():
+    """simulate(s) is simulate(s, F=1, B=2, W=1) (the documented defaults, which the
+    bubble formulas assume); an object with ops but no layout is a TypeError, not an
+    AttributeError from deep inside (both found surviving by mutation testing)."""
+    s = pp.build("zb1p", 4, 8)
+    t, ref = pp.simulate(s), pp.simulate(s, F=1.0, B=2.0, W=1.0)
+    assert t.makespan == ref.makespan and np.array_equal(t.bubble, ref.bubble)
+    durations = {op.kind: e - b for op, b, e in zip(s.ops[0], t.starts[0], t.ends[0]) if hasattr(op, "kind")}
+    assert durations == {"F": 1.0, "I": 1.0, "W": 1.0}          # I = B - W
+
+    class OpsOnly:
+        ops = s.ops
+    with pytest.raises(TypeError, match="schedule must be a Schedule"):
+        pp.simulate(OpsOnly())
