@@ -214,3 +214,15 @@ def test_default_costs_are_the_documented_ones_and_a_non_schedule_is_refused():
         ops = s.ops
     with pytest.raises(TypeError, match="schedule must be a Schedule"):
         pp.simulate(OpsOnly())
+
+
+def test_an_overlapped_forward_and_input_grad_pair_costs_FB_minus_W_or_FI():
+    """A DualPipe pair whose backward is split (F & I, its W later) lasts FB - W of the
+    backward's stage, or FI of its forward's stage when given (mutation testing found this
+    path unrun by the simulator's tests)."""
+    layout = pp.build("dualpipe", 2, 4).layout
+    s = pp.Schedule.from_csv("0F0,3F2,0F1,3B2,(3F3;0I0)OVERLAP_F_B,0W0,3B3,0I1,0W1\n"
+                             "2F2,1F0,2F3,1B0,(1F1;2B2)OVERLAP_F_B,1B1,2I3,2W3\n", layout=layout)
+    for kw, want in (({}, 3.0 - 0.5), ({"FI": 1.7}, 1.7), ({"W": 2.0, "FB": 1.5}, 0.0)):
+        t = pp.simulate(s, **{"F": 1.0, "B": 2.0, "W": 0.5, **kw})
+        assert t.ends[0][4] - t.starts[0][4] == pytest.approx(want), kw
