@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from pdjax.compilation import announce
 from pdjax.config import ModelConfig
 from pdjax.disagg.request import sample
 from pdjax.model.transformer import embed, head, layer
@@ -112,8 +113,17 @@ class PrefillPool:
         """``fn(*args)``; when ``key`` (a program and its shapes) has not run on this pool yet,
         the call compiles first: the run's ``on_compile`` hears of it before and after."""
         on_compile = getattr(self._run_state, "on_compile", None)
-        if key in self._warm or on_compile is None:
+        if key in self._warm:
             return fn(*args)
+        notes = getattr(self._run_state, "compile_note", None)
+        if notes is not None and not notes.entered:     # one progress line per run that compiles
+            notes.entered = True
+            notes.enter_context(announce("the prefill's programs for a new prompt length"))
+        if on_compile is None:
+            try:
+                return fn(*args)
+            finally:
+                self._warm.add(key)
         on_compile(True)
         try:
             return fn(*args)
@@ -146,10 +156,13 @@ class PrefillPool:
         (False) a call that compiles a program this pool has not run yet (the decode side
         keeps compile time out of its handoff deadline)."""
         self._run_state.on_compile = on_compile
+        self._run_state.compile_note = notes = contextlib.ExitStack()
+        notes.entered = False
         try:
-            return self._run(req, push, prefix, timeline, chunk, step_lock, chunk_times)
+            with notes:
+                return self._run(req, push, prefix, timeline, chunk, step_lock, chunk_times)
         finally:
-            self._run_state.on_compile = None
+            self._run_state.on_compile = self._run_state.compile_note = None
 
     def _run(self, req, push, prefix, timeline, chunk, step_lock, chunk_times):
         T = len(req.prompt)

@@ -2,8 +2,10 @@
 identical tokens; the KV handed off is exactly the latent rows; faults lose nothing."""
 
 import jax
+import numpy as np
 import pytest
 
+import pdjax
 from pdjax.disagg import ColocatedEngine, PDEngine, RequestError, SamplingParams
 from pdjax.disagg.prefill import bucket
 
@@ -192,3 +194,20 @@ def test_layer_transfer_overlaps_next_layer_compute(tiny_cfg, pd, prompts, expec
     assert all(nxt["issued"] < xfer["ready"] for xfer, nxt in pairs), pairs
     trace = tl.to_chrome_trace(str(tmp_path / "handoff_trace.json"))
     assert sum(e.get("ph") == "X" for e in trace["traceEvents"]) == 2 * L
+
+
+def test_a_cold_prefill_says_it_is_compiling_once(pd, tiny_cfg, monkeypatch, capsys):
+    """A prompt length whose prefill programs this engine has not run prints one progress
+    line (here at once: the threshold set to 0); the same length again prints nothing."""
+    import pdjax.compilation
+
+    monkeypatch.setattr(pdjax.compilation, "progress_after_s", 0.0)
+    warm = {k[1] for k in pd.prefill._warm if k[0] == "embed"}
+    T = next(n for n in range(17, 250) if bucket(n, pd.prefill.size) not in warm)
+    prompt = [int(t) for t in np.random.RandomState(5).randint(0, tiny_cfg.vocab_size, T)]
+    capsys.readouterr()
+    pd.generate([prompt], max_new_tokens=2)
+    err = capsys.readouterr().err
+    assert err.count("pdjax: compiling the prefill's programs for a new prompt length...") == 1, err
+    pd.generate([prompt], max_new_tokens=2)
+    assert "pdjax: compiling" not in capsys.readouterr().err
