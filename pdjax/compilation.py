@@ -102,6 +102,7 @@ def announce(what: str, stream=None):
         yield note
     finally:
         timer.cancel()
-        if shown.is_set() or (timer.is_alive() and shown.wait(1.0)):
+        timer.join()          # a cancelled timer ends at once; one showing its line finishes it
+        if shown.is_set():
             extra = f" ({note['done']})" if note.get("done") else ""
             print(f" {time.perf_counter() - t0:.1f} s{extra}", file=out, flush=True)

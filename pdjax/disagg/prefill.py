@@ -119,11 +119,8 @@ class PrefillPool:
         if notes is not None and not notes.entered:     # one progress line per run that compiles
             notes.entered = True
             notes.enter_context(announce("the prefill's programs for a new prompt length"))
-        if on_compile is None:
-            try:
-                return fn(*args)
-            finally:
-                self._warm.add(key)
+        if on_compile is None:     # not marked warm: a run that reports compiles hears of this one
+            return fn(*args)
         on_compile(True)
         try:
             return fn(*args)
