@@ -61,3 +61,26 @@ def tiny_cfg():
 @pytest.fixture(scope="session")
 def tiny_params(tiny_cfg):
     return pdjax.init_params(tiny_cfg, jax.random.key(0))
+
+
+class CompileCounter:
+    """Counts XLA compilations while active: ``with CompileCounter() as c: ...`` then
+    ``c.count`` (a check that an error came before any compute)."""
+
+    def __enter__(self):
+        self.count = 0
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+        return self
+
+    def _listen(self, name, secs, **_):
+        if name == "/jax/core/compile/backend_compile_duration":
+            self.count += 1
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self._listen)
+
+
+@pytest.fixture(scope="session")
+def compile_counter():
+    """:class:`CompileCounter`, for the tests of any directory."""
+    return CompileCounter

@@ -43,26 +43,10 @@ def bad_real(positive=False):
     return st.one_of(NOT_NUMBERS, BOOLS, NON_FINITE, low)
 
 
-class Compiles:
-    """Counts XLA compilations while active."""
-
-    def __enter__(self):
-        self.count = 0
-        jax.monitoring.register_event_duration_secs_listener(self._listen)
-        return self
-
-    def _listen(self, name, secs, **_):
-        if name == "/jax/core/compile/backend_compile_duration":
-            self.count += 1
-
-    def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self._listen)
-
-
-def refused(call, field: str, *names):
+def refused(counter, call, field: str, *names):
     """``call()`` raises ValueError or TypeError naming ``field`` (or one of ``names``),
-    with no compilation on the way."""
-    with Compiles() as compiles:
+    with no compilation on the way (``counter``: the compile_counter fixture)."""
+    with counter() as compiles:
         with pytest.raises((ValueError, TypeError)) as err:
             call()
     text = str(err.value)
@@ -92,16 +76,16 @@ FIELD_VALUES = {
 @SETTINGS
 @given(data=st.data())
 @example(data=None)
-def test_every_config_field_refuses_bad_values(data):
+def test_every_config_field_refuses_bad_values(compile_counter, data):
     if data is None:     # the issue's cases, always run
         for field, value in (("rope_scaling", {"type": "yarn", "factor": None}), ("norm_topk_prob", "false"),
                              ("n_routed_experts", 8.0), ("n_shared_experts", 1.5), ("rms_norm_eps", math.nan),
                              ("rope_theta", math.inf), ("routed_scaling_factor", math.nan)):
-            refused(lambda: pdjax.configs.tiny(**{field: value}), field)
+            refused(compile_counter, lambda: pdjax.configs.tiny(**{field: value}), field)
         return
     field = data.draw(st.sampled_from(sorted(FIELD_VALUES)), label="field")
     value = data.draw(FIELD_VALUES[field], label="value")
-    refused(lambda: pdjax.configs.tiny(**{field: value}), field)
+    refused(compile_counter, lambda: pdjax.configs.tiny(**{field: value}), field)
 
 
 # ---- the model's entry points ------------------------------------------------------------------
@@ -169,11 +153,11 @@ MODEL_ENTRIES = ["init_params", "forward", "prefill", "decode_step", "generate",
 @pytest.mark.parametrize("entry", MODEL_ENTRIES)
 @SETTINGS
 @given(data=st.data())
-def test_model_entry_points_refuse_bad_arguments(model, entry, data):
+def test_model_entry_points_refuse_bad_arguments(compile_counter, model, entry, data):
     call, bad, aliases = _load_hf_call() if entry == "load_hf" else _model_calls(model)[entry]
     arg = data.draw(st.sampled_from(sorted(bad)), label="argument")
     value = data.draw(bad[arg], label="value")
-    refused(lambda: call(**{arg: value}), arg, *aliases.get(arg, ()))
+    refused(compile_counter, lambda: call(**{arg: value}), arg, *aliases.get(arg, ()))
 
 
 # ---- schedules, the executor, analysis and the serving simulator --------------------------------
@@ -227,11 +211,11 @@ OTHER_ENTRIES = ["build", "simulate", "search", "from_csv", "Executor", "report"
 @pytest.mark.parametrize("entry", OTHER_ENTRIES)
 @SETTINGS
 @given(data=st.data())
-def test_schedule_analysis_and_simulator_entry_points_refuse_bad_arguments(tiny_cfg, entry, data):
+def test_schedule_analysis_and_simulator_entry_points_refuse_bad_arguments(compile_counter, tiny_cfg, entry, data):
     call, bad, aliases = _other_calls(tiny_cfg)[entry]
     arg = data.draw(st.sampled_from(sorted(bad)), label="argument")
     value = data.draw(bad[arg], label="value")
-    refused(lambda: call(**{arg: value}), arg, *aliases.get(arg, ()))
+    refused(compile_counter, lambda: call(**{arg: value}), arg, *aliases.get(arg, ()))
 
 
 # ---- the serving engines -------------------------------------------------------------------------
@@ -261,14 +245,14 @@ def _engine(kind, tiny_cfg, tiny_params, **options):
 @pytest.mark.parametrize("kind", ["PD", "colocated", "AF"])
 @settings(SETTINGS, max_examples=40)
 @given(data=st.data())
-def test_engine_options_refuse_bad_values(tiny_cfg, tiny_params, kind, data):
+def test_engine_options_refuse_bad_values(compile_counter, tiny_cfg, tiny_params, kind, data):
     options = dict(ENGINE_OPTIONS)
     if kind == "AF":               # AF serves without a P/D handoff
         for k in ("handoff_timeout_s", "link_bandwidth_Bps", "max_prefill_attempts"):
             options.pop(k)
     arg = data.draw(st.sampled_from(sorted(options)), label="option")
     value = data.draw(options[arg], label="value")
-    refused(lambda: _engine(kind, tiny_cfg, tiny_params, **{arg: value}), arg)
+    refused(compile_counter, lambda: _engine(kind, tiny_cfg, tiny_params, **{arg: value}), arg)
 
 
 @pytest.fixture(scope="module")
@@ -279,7 +263,7 @@ def engines(tiny_cfg, tiny_params):
 @pytest.mark.parametrize("kind", ["PD", "colocated", "AF"])
 @settings(SETTINGS, max_examples=40)
 @given(data=st.data())
-def test_engine_generate_refuses_bad_arguments(engines, kind, data):
+def test_engine_generate_refuses_bad_arguments(compile_counter, engines, kind, data):
     eng = engines[kind]
     bad = {"max_new_tokens": bad_count().filter(lambda v: not isinstance(v, list)),   # a list: one per request
            "prompts": st.sampled_from([[], "12", None, 5]),
@@ -289,4 +273,4 @@ def test_engine_generate_refuses_bad_arguments(engines, kind, data):
     arg = data.draw(st.sampled_from(sorted(bad)), label="argument")
     value = data.draw(bad[arg], label="value")
     kwargs = {"prompts": [[1, 2, 3]], "max_new_tokens": 2, arg: value}
-    refused(lambda: eng.generate(kwargs.pop("prompts"), **kwargs), arg, *(("prompt",) if arg == "prompts" else ()))
+    refused(compile_counter, lambda: eng.generate(kwargs.pop("prompts"), **kwargs), arg, *(("prompt",) if arg == "prompts" else ()))

@@ -18,35 +18,19 @@ def setup(tiny_cfg, tiny_params):
     return tiny_cfg, tiny_params, tokens, cache
 
 
-class _Compiles:
-    """Counts XLA compilations while active."""
-
-    def __enter__(self):
-        self.count = 0
-        jax.monitoring.register_event_duration_secs_listener(self._listen)
-        return self
-
-    def _listen(self, name, secs, **_):
-        if name == "/jax/core/compile/backend_compile_duration":
-            self.count += 1
-
-    def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self._listen)
-
-
 @pytest.mark.parametrize("change, match", [
     ({"vocab_size": 300}, r"params\['embed'\] has shape \(300, 64\), cfg gives \(256, 64\)"),
     ({"hidden_size": 32}, r"params\['embed'\] has shape \(256, 32\)"),
     ({"num_hidden_layers": 4}, r"params\['layers'\] holds 4 entries, cfg gives 3 \(cfg.num_hidden_layers\)"),
     ({"n_routed_experts": 16}, r"\['moe'\]\['router'\] has shape \(64, 16\), cfg gives \(64, 8\)"),
 ])
-def test_params_of_another_config_are_refused_before_compute(setup, change, match):
+def test_params_of_another_config_are_refused_before_compute(setup, change, match, compile_counter):
     cfg, _, tokens, cache = setup
     other = pdjax.init_params(cfg.replace(**change), jax.random.key(0))
     for call in (lambda: pdjax.forward(other, cfg, tokens), lambda: pdjax.prefill(other, cfg, tokens),
                  lambda: pdjax.decode_step(other, cfg, np.zeros(1, np.int32), cache),
                  lambda: pdjax.generate(other, cfg, [[1, 2]], max_new_tokens=2)):
-        with _Compiles() as compiles, pytest.raises(ValueError, match=match):
+        with compile_counter() as compiles, pytest.raises(ValueError, match=match):
             call()
         assert compiles.count == 0           # refused before any compute
 
