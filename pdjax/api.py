@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 
 from pdjax.config import ModelConfig
-from pdjax.model import transformer
+from pdjax.model import checks, transformer
 from pdjax.parallel.dbo import DualBatchOverlap
 from pdjax.parallel.ep import ExpertParallel
 from pdjax.parallel.mesh import ShardingRules, batch_sharding, check_batch, shard_params
@@ -14,10 +14,8 @@ from pdjax.parallel.mesh import ShardingRules, batch_sharding, check_batch, shar
 
 def _on_mesh(params, cfg, mesh, batch: int, capacity_factor, rules, overlap, dispatch="auto"):
     """(params placed on the mesh, EP MoE implementation, batch sharding)."""
-    if not isinstance(mesh, jax.sharding.Mesh):
-        raise TypeError(f"mesh must be a jax.sharding.Mesh (pdjax.parallel.make_mesh), got {type(mesh).__name__}")
-    if not isinstance(cfg, ModelConfig):
-        raise TypeError(f"cfg must be a ModelConfig (e.g. pdjax.configs.tiny()), got {type(cfg).__name__}")
+    checks.check_mesh(mesh)
+    checks.check_cfg(cfg)
     if "layers" not in params:
         raise ValueError("mesh= takes per-layer params (params['layers']); stacked params "
                          "(pdjax.stack_layers) run on one device: pdjax.unstack_layers first")

@@ -32,6 +32,12 @@ def check_cfg(cfg) -> None:
         raise TypeError(f"cfg must be a ModelConfig (e.g. pdjax.configs.tiny()), got {type(cfg).__name__}")
 
 
+def check_mesh(mesh) -> None:
+    """A ``mesh=`` argument: a jax.sharding.Mesh, or None (one device)."""
+    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh (pdjax.parallel.make_mesh) or None, got {type(mesh).__name__}")
+
+
 def check_tokens(cfg: ModelConfig, tokens, ndim: int, name: str = "tokens"):
     """Shape and dtype checks, and for host inputs the range of the ids; returns int32 tokens
     (a device array stays on its devices and its ids are not range-checked: that would fetch

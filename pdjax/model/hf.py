@@ -21,6 +21,7 @@ import numpy as np
 
 from pdjax.config import PARAM_DTYPES, ModelConfig, dtype_name, load_hf_config
 # the checks of a checkpoint against its config live in hf_checks; expected_tensors importable here
+from pdjax.model.checks import check_mesh
 from pdjax.model.hf_checks import check_checkpoint, expected_tensors, mtp_layer_count, stored_dtype  # noqa: F401
 # the safetensors files live in hf_files; importable here
 from pdjax.model.hf_files import (FP8_BLOCK, Deferred, DeferredStack, SafetensorsFile, _dequant_fp8,  # noqa: F401
@@ -195,8 +196,7 @@ def load_hf(path: str, dtype=None, *, mesh=None, rules=None):
     """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a checkpoint directory (str or os.PathLike), got {path!r}")
-    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
-        raise TypeError(f"mesh must be a jax.sharding.Mesh (pdjax.parallel.make_mesh) or None, got {type(mesh).__name__}")
+    check_mesh(mesh)
     if dtype is not None:
         dtype_name(dtype, "load_hf dtype", PARAM_DTYPES)        # before reading anything
     path = os.fspath(path)
