@@ -55,6 +55,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+JAX_SETTINGS = ("jax_default_matmul_precision", "jax_compilation_cache_dir",
+                "jax_persistent_cache_min_compile_time_secs")
+
+
+def jax_settings_environ() -> dict:
+    """This process's jax numerics and compilation cache (:data:`JAX_SETTINGS` that are set),
+    as the environment variables a child jax process reads them from."""
+    import jax
+
+    return {name.upper(): str(value) for name in JAX_SETTINGS if (value := getattr(jax.config, name, None)) is not None}
+
+
 def device_environ(device_count: int, extra: dict | None = None, platform: str = "cpu") -> dict:
     """The environment of a child jax process: this one's, on ``platform`` (on "cpu" with
     ``device_count`` simulated devices; other platforms: set the visible devices in ``extra``,

@@ -166,6 +166,7 @@ def measure_in_cluster(schedule, cfg, params, tokens, *, repeats: int, op_repeat
     import jax
 
     from pdjax.cluster import launch
+    from pdjax.cluster.supervisor import jax_settings_environ
     from pdjax.pipeline.processes import available_cores
 
     n = schedule.num_ranks
@@ -178,10 +179,8 @@ def measure_in_cluster(schedule, cfg, params, tokens, *, repeats: int, op_repeat
             pickle.dump(dict(schedule=schedule, cfg=cfg, params=jax.tree.map(np.asarray, params),
                              tokens=np.asarray(tokens), repeats=repeats, op_repeats=op_repeats,
                              layers_per_stage=layers_per_stage, cores=[int(c) for c in cores]), f)
-        config = {name.upper(): str(value) for name in ("jax_default_matmul_precision", "jax_compilation_cache_dir")
-                  if (value := getattr(jax.config, name, None)) is not None}
         launch([sys.executable, "-m", "pdjax.pipeline.executed_cluster", spec, out], n, 1, timeout_s=timeout_s,
-               env=config, stream=stream)
+               env=jax_settings_environ(), stream=stream)
         with open(out, "rb") as f:
             return pickle.load(f)
 

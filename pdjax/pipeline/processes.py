@@ -54,7 +54,7 @@ import time
 
 import numpy as np
 
-from pdjax.cluster.supervisor import LaunchError, Supervisor, device_environ
+from pdjax.cluster.supervisor import LaunchError, Supervisor, device_environ, jax_settings_environ
 
 TRANSPORTS = ("shm", "transfer")
 
@@ -128,12 +128,8 @@ class RankProcesses:
 
     # ---- processes -----------------------------------------------------------------------
     def _spawn(self, r: int, extra_env) -> None:
-        import jax
-
         # the parent's numerics and compilation cache, then the caller's extra environment
-        config = {name.upper(): str(value) for name in ("jax_default_matmul_precision", "jax_compilation_cache_dir",
-                                                        "jax_persistent_cache_min_compile_time_secs")
-                  if (value := getattr(jax.config, name, None)) is not None}
+        config = jax_settings_environ()
         self.procs.start([sys.executable, "-m", "pdjax.pipeline.rank_worker", self._dir, str(r), str(self.cores[r])],
                          device_environ(1, {**config, **(extra_env or {})}), name=f"rank {r}'s process",
                          orphan_pipe=True, log_path=os.path.join(self._dir, f"rank{r}.log"))
