@@ -302,8 +302,10 @@ class PDCluster:
             if got is None:
                 break
             k, msg = got
-            if msg is None:
-                asked.discard(k)
+            if msg is None or msg["op"] == "prefill_lost":   # a death after the last result:
+                if msg is None:                                 # recovered now, not lost
+                    asked.discard(k)
+                self._recover(k, msg, {"decode": 0, "prefill": 0}, max_restarts=3)
             elif msg["op"] == "stats":
                 counters[k] = {key: v for key, v in msg.items() if key != "op"}
         per = []

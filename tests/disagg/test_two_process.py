@@ -8,6 +8,7 @@ every attempt, leaking nothing in the decode process."""
 import collections
 import os
 import sys
+import time
 
 import jax
 import numpy as np
@@ -26,6 +27,7 @@ CHILD_ENV = {"JAX_DEFAULT_MATMUL_PRECISION": "highest",
              "JAX_COMPILATION_CACHE_DIR": os.path.join(ROOT, ".jax_cache"),
              "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"}
 NEW = 5
+LONG = 40                        # prompt 200 + 40 fits max_context 256
 SERVE_FAULTY = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve_faulty.py")]
 
 
@@ -172,26 +174,47 @@ def test_bad_request_fails_alone(server, tiny_cfg, prompts, expected):
     assert isinstance(out[2], RequestError) and "outside" in str(out[2])
 
 
-def test_decode_killed_mid_request_is_restarted_and_reissued(server, prompts, expected):
+def test_decode_killed_mid_request_is_restarted_and_reissued(server, tiny_cfg, tiny_params, prompts):
+    """Killed when a request is 2 tokens into LONG: the decode process cannot have finished
+    its requests by then (with NEW = 5 tokens it once had, on a fast machine: the death then
+    came after the last result)."""
+    long_expected = [o[len(p):] for o, p in zip(pdjax.generate(tiny_params, tiny_cfg, prompts, max_new_tokens=LONG),
+                                                prompts)]
     old = server.pid("decode")
+    restarts = server.decode_restarts
     streamed = {}
     at_kill = {}
 
     def on_token(i, tok):
         streamed.setdefault(i, []).append(tok)
-        if not at_kill and len(streamed[i]) == 2:           # request i is 2 tokens into 5
+        if not at_kill and len(streamed[i]) == 2:           # request i is 2 tokens into LONG
             at_kill.update({k: list(v) for k, v in streamed.items()})
             server.kill("decode")                         # SIGKILL
-    out = server.generate(prompts, max_new_tokens=NEW, on_token=on_token, timeout=90)
-    assert out == expected
-    assert streamed == dict(enumerate(expected))            # each token streamed once
+    out = server.generate(prompts, max_new_tokens=LONG, on_token=on_token, timeout=90)
+    assert out == long_expected
+    assert streamed == dict(enumerate(long_expected))       # each token streamed once
     assert not alive(old) and server.pid("decode") != old
-    assert server.stats["decode_restarts"] == 1
+    assert server.decode_restarts == restarts + 1
     # re-issued: the requests unfinished when the client saw the death (tokens already sent by
     # the killed process may still be read before it), never one that had all its tokens
     again = [i for i, r in enumerate(server.stats["requests"]) if r["reissued"]]
-    assert again and all(server.stats["requests"][i]["reissued"] == 1 and len(at_kill.get(i, [])) < NEW
+    assert again and all(server.stats["requests"][i]["reissued"] == 1 and len(at_kill.get(i, [])) < LONG
                          for i in again)
+
+
+def test_decode_death_after_the_last_result_is_not_lost(server, prompts, expected):
+    """A decode process that dies when every request is done (CI once killed it after its
+    last token) is seen while the client collects the stats: it is restarted then, and the
+    next generate is served (the death was once swallowed there, and every later generate
+    hung on the dead instance)."""
+    old = server.pid("decode")
+    server.kill("decode")
+    deadline = time.monotonic() + 10
+    while alive(old) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.generate([], max_new_tokens=NEW, timeout=30) == []    # only the stats round
+    assert server.pid("decode") != old
+    assert server.generate(prompts, max_new_tokens=NEW, timeout=60) == expected
 
 
 def test_stalled_handoff_times_out_and_is_prefilled_again(server, tiny_cfg, prompts, expected):
