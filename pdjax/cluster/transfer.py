@@ -73,8 +73,16 @@ class Control:
         with self._send_lock:
             self.sock.sendall(_HEADER.pack(len(data)) + data)
 
-    def recv(self) -> dict | None:
-        head = self._read(_HEADER.size, eof_ok=True)
+    def recv(self, timeout: float | None = None) -> dict | None:
+        """The next message (None at end of stream); ``timeout``: seconds to wait for it to
+        begin (TimeoutError past them; the connection stays usable)."""
+        self.sock.settimeout(timeout)
+        try:
+            head = self._read(_HEADER.size, eof_ok=True)
+        except socket.timeout:
+            raise TimeoutError(f"no control message within {timeout:g} s") from None
+        finally:
+            self.sock.settimeout(None)
         if head is None:
             return None
         (n,) = _HEADER.unpack(head)
@@ -126,11 +134,19 @@ def split_address(address: str) -> tuple[str, int]:
 
 
 # ---- data plane ----------------------------------------------------------------------------
+BULK_TRANSPORTS = 4
+"""Bulk-transport sockets of every transfer server pdjax starts, whatever its devices: a
+process that pulls from a server with more of them than it has aborts (jaxlib 0.10:
+``socket_bulk_transport.cc`` "Check failed: bind(...) Bad file descriptor"; measured 8 -> 4
+and 4 -> 1 abort, 4 -> 8, 1 -> 4 and equal counts work)."""
+
+
 def start_transfer_server(devices=None, host: str = LOOPBACK) -> jax_transfer.TransferServer:
-    """A TransferServer for this process's devices on ``host`` (random free ports)."""
+    """A TransferServer for this process's devices on ``host`` (random free ports), with
+    :data:`BULK_TRANSPORTS` bulk sockets (one count for every pdjax process)."""
     devices = list(devices if devices is not None else jax.local_devices())
     client = devices[0].client
-    return jax_transfer.start_transfer_server(client, f"{host}:0", [f"{host}:0"] * len(devices))
+    return jax_transfer.start_transfer_server(client, f"{host}:0", [f"{host}:0"] * BULK_TRANSPORTS)
 
 
 def single_device(rows: jax.Array) -> jax.Array:
@@ -196,14 +212,22 @@ class ArraySender:
         "layout"}``: nbytes = the array's bytes (elements x itemsize, what a one-device pull
         moves), layout = :func:`layout` of the offered array (the receiver checks it)."""
         rows = single_device(rows) if gather else rows
+        desc = self.offer_all([rows])
+        return {"uuid": desc["uuid"], **desc["arrays"][0]}
+
+    def offer_all(self, arrays) -> dict:
+        """Offer ``arrays`` (each as it lies) under one uuid: one pull takes them all. Returns
+        ``{"uuid", "arrays": [{"shape", "dtype", "nbytes", "layout"}, ...], "nbytes"}``."""
+        arrays = list(arrays)
         uuid = next(self._ids)
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=self.ttl_s)
-        self.server.await_pull(uuid, [rows], timeout=deadline)
-        nbytes = int(rows.size) * rows.dtype.itemsize
+        self.server.await_pull(uuid, arrays, timeout=deadline)
+        described = [{"shape": list(a.shape), "dtype": str(a.dtype), "nbytes": int(a.size) * a.dtype.itemsize,
+                      "layout": layout(a.sharding, a.shape)} for a in arrays]
+        nbytes = sum(d["nbytes"] for d in described)
         self.bytes_offered += nbytes
         self.offers += 1
-        return {"uuid": uuid, "shape": list(rows.shape), "dtype": str(rows.dtype), "nbytes": nbytes,
-                "layout": layout(rows.sharding, rows.shape)}
+        return {"uuid": uuid, "arrays": described, "nbytes": nbytes}
 
 
 class ArrayReceiver:
@@ -231,33 +255,52 @@ class ArrayReceiver:
         raises TimeoutError naming the uuid. A link that breaks mid-pull (the sender's process
         died) raises ConnectionError, as a broken control connection does, so a reader treats
         it as the sender lost (jax raises a JaxRuntimeError)."""
-        uuid, shape = int(desc["uuid"]), tuple(desc["shape"])
-        sharding = target if isinstance(target, jax.sharding.Sharding) else jax.sharding.SingleDeviceSharding(target)
-        check_layout(desc.get("layout"), sharding, shape, uuid, desc["dtype"])
-        spec = jax.ShapeDtypeStruct(shape, jnp.dtype(desc["dtype"]), sharding=sharding)
+        one = {k: desc.get(k) for k in ("shape", "dtype", "nbytes", "layout")}
+        (rows,) = self.pull_all({"uuid": desc["uuid"], "arrays": [one], "nbytes": desc["nbytes"]}, [target],
+                                timeout_s)
+        return rows
+
+    def pull_all(self, desc: dict, targets, timeout_s: float | None = None) -> list:
+        """The arrays of one :meth:`ArraySender.offer_all`, array i on ``targets[i]`` (a
+        device or a sharding), checked as :meth:`pull` checks one (every layout before any
+        byte moves)."""
+        uuid, described, targets = int(desc["uuid"]), list(desc["arrays"]), list(targets)
+        if len(targets) != len(described):
+            raise ValueError(f"pull of uuid {uuid}: {len(described)} arrays announced, {len(targets)} targets given")
+        specs = []
+        for d, target in zip(described, targets):
+            shape = tuple(d["shape"])
+            sharding = target if isinstance(target, jax.sharding.Sharding) else jax.sharding.SingleDeviceSharding(target)
+            check_layout(d.get("layout"), sharding, shape, uuid, d["dtype"])
+            specs.append(jax.ShapeDtypeStruct(shape, jnp.dtype(d["dtype"]), sharding=sharding))
         t0 = time.perf_counter()
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         try:
-            (rows,) = self.connection.pull(uuid, [spec])
-            wait_pulled(rows, uuid, self.timeout_s if timeout_s is None else timeout_s)
+            arrays = self.connection.pull(uuid, specs)
+            for a in arrays:                      # one deadline for the whole pull
+                wait_pulled(a, uuid, timeout_s, deadline)
         except jax.errors.JaxRuntimeError as e:
             raise ConnectionError(f"pull of uuid {uuid} failed: {e}") from e
         self.pull_seconds += time.perf_counter() - t0
-        nbytes = int(rows.size) * rows.dtype.itemsize
+        nbytes = sum(int(a.size) * a.dtype.itemsize for a in arrays)
         if nbytes != desc["nbytes"]:
             raise ValueError(f"pulled {nbytes} bytes for uuid {uuid}, announced {desc['nbytes']}")
         self.bytes_received += nbytes
         self.pulls += 1
-        return rows
+        return list(arrays)
 
     @property
     def throughput_Bps(self) -> float:
         return self.bytes_received / self.pull_seconds if self.pull_seconds > 0 else 0.0
 
 
-def wait_pulled(rows: jax.Array, uuid: int, timeout_s: float) -> None:
+def wait_pulled(rows: jax.Array, uuid: int, timeout_s: float, deadline: float | None = None) -> None:
     """Block until the pulled ``rows`` arrived, at most ``timeout_s`` seconds (the pull
-    returns an array future at once; polled with a backoff from 0.2 ms to 20 ms)."""
-    deadline = time.monotonic() + timeout_s
+    returns an array future at once; polled with a backoff from 0.2 ms to 20 ms).
+    ``deadline``: a ``time.monotonic()`` shared by the arrays of one pull (default now +
+    ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s if deadline is None else deadline
     pause = 0.0002
     while not rows.is_ready():
         if time.monotonic() > deadline:

@@ -1,7 +1,8 @@
 """Prefill/decode disaggregation on real meshes: PDEngine, ColocatedEngine, AFDEngine
 (attention-FFN disaggregated decode), the paged decode pool, the layer-wise latent-KV
 handoff, and serving across processes (launch_pd: one prefill and several decode processes
-behind one router; launch_two_process: one of each), all driving one decode scheduler
+behind one router; launch_two_process: one of each; launch_ffn: AFD's FFN side as its own
+process, AFDEngine(ffn_address=...) its attention side), all driving one decode scheduler
 (DecodeScheduler, a state machine of typed events and actions) over a pluggable KV link
 (DevicePutLink in one process, TransferLink across processes).
 
@@ -9,6 +10,7 @@ The serving runtime (jax, tensorstore); the pure prefix index it shares with the
 simulator is :mod:`pdjax.prefix_index`."""
 
 from pdjax.disagg.afd import AFDEngine
+from pdjax.disagg.afd_remote import FFNProcess, launch_ffn
 from pdjax.disagg.engine import ColocatedEngine, PDEngine
 from pdjax.disagg.launcher import PDCluster, TwoProcessServer, launch_pd, launch_two_process
 from pdjax.disagg.link import Chunk, DevicePutLink
@@ -16,5 +18,6 @@ from pdjax.disagg.request import Request, RequestError, SamplingParams
 from pdjax.disagg.scheduler import DecodeScheduler
 from pdjax.disagg.link import TransferLink
 
-__all__ = ["AFDEngine", "Chunk", "ColocatedEngine", "DecodeScheduler", "DevicePutLink", "PDCluster", "PDEngine", "Request",
-           "RequestError", "SamplingParams", "TransferLink", "TwoProcessServer", "launch_pd", "launch_two_process"]
+__all__ = ["AFDEngine", "Chunk", "ColocatedEngine", "DecodeScheduler", "DevicePutLink", "FFNProcess", "PDCluster",
+           "PDEngine", "Request", "RequestError", "SamplingParams", "TransferLink", "TwoProcessServer", "launch_ffn",
+           "launch_pd", "launch_two_process"]

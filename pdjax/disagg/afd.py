@@ -40,11 +40,13 @@ MAX_MICROBATCHES = 4
 
 def check_afd_options(cfg: ModelConfig, attention_devices, ffn_devices, microbatches, slots) -> int:
     """Raise ValueError naming the first bad AFD option (before anything is built); returns
-    the decode slots (default: the fewest that split, m * lcm(M, N))."""
-    M, N = len(attention_devices), len(ffn_devices)
+    the decode slots (default: the fewest that split, m * lcm(M, N)). ``ffn_devices``: a
+    device list, or the FFN ranks (an int) of an FFN process."""
+    remote = isinstance(ffn_devices, int)
+    M, N = len(attention_devices), ffn_devices if remote else len(ffn_devices)
     if not M or not N:
         raise ValueError(f"attention_devices and ffn_devices must be non-empty, got {M} and {N} devices")
-    shared = sorted({d.id for d in attention_devices} & {d.id for d in ffn_devices})
+    shared = [] if remote else sorted({d.id for d in attention_devices} & {d.id for d in ffn_devices})
     if shared:
         raise ValueError(f"attention_devices and ffn_devices must be disjoint; both hold device ids {shared}")
     if not any(cfg.is_moe_layer(l) for l in range(cfg.num_hidden_layers)):
@@ -68,6 +70,10 @@ def check_afd_options(cfg: ModelConfig, attention_devices, ffn_devices, microbat
 class AFDEngine(PDEngine):
     """Attention-FFN disaggregated serving; see the module docstring. ``attention_devices``
     (M) and ``ffn_devices`` (N): disjoint device lists, the routed experts dividing over N;
+    or, instead of ``ffn_devices``, ``ffn_address``: the control address of an FFN process
+    (``pdjax serve --role ffn``, :func:`~pdjax.disagg.launcher.launch_ffn`), N its ranks,
+    ``ffn_timeout_s`` the deadline of each of its answers and pulls
+    (:mod:`pdjax.disagg.afd_remote`);
     ``num_microbatches``: m in 1..4; ``max_decode_slots``: a multiple of m * lcm(M, N)
     (default that product); ``prefill_mesh``: the attention devices' mesh (default
     {"expert": M} when the experts divide over M, else {"data": M}); ``ffn_retries``: reruns
@@ -75,17 +81,31 @@ class AFDEngine(PDEngine):
     :class:`~pdjax.disagg.engine.PDEngine`. ``generate`` returns one token list per prompt (a
     :class:`~pdjax.disagg.request.RequestError` in place of a failed request)."""
 
-    def __init__(self, params, cfg: ModelConfig, *, attention_devices, ffn_devices, num_microbatches: int = 2,
-                 max_decode_slots: int | None = None, prefill_mesh: dict | None = None, ffn_retries: int = 1,
-                 **kwargs):
-        attention_devices, ffn_devices = list(attention_devices), list(ffn_devices)
-        slots = check_afd_options(cfg, attention_devices, ffn_devices, num_microbatches, max_decode_slots)
-        check_int("ffn_retries", ffn_retries, 0)
-        M = len(attention_devices)
-        mesh = prefill_mesh or ({"expert": M} if cfg.n_routed_experts % M == 0 else {"data": M})
-        self._afd = {"ffn_devices": ffn_devices, "microbatches": num_microbatches, "ffn_retries": ffn_retries}
-        super().__init__(params, cfg, prefill_devices=attention_devices, decode_devices=attention_devices,
-                         prefill_mesh=mesh, decode_mesh=mesh, colocated=True, max_decode_slots=slots, **kwargs)
+    def __init__(self, params, cfg: ModelConfig, *, attention_devices, ffn_devices=None, ffn_address: str | None = None,
+                 num_microbatches: int = 2, max_decode_slots: int | None = None, prefill_mesh: dict | None = None,
+                 ffn_retries: int = 1, ffn_timeout_s: float = 60.0, **kwargs):
+        if (ffn_devices is None) == (ffn_address is None):
+            raise ValueError("give exactly one of ffn_devices (the FFN side in this process) and ffn_address "
+                             "(an FFN process's control address, `pdjax serve --role ffn`)")
+        attention_devices = list(attention_devices)
+        remote = None
+        if ffn_address is not None:
+            from pdjax.disagg.afd_remote import RemoteFFN
+            remote = RemoteFFN(ffn_address, timeout_s=ffn_timeout_s)      # its hello: how many FFN ranks
+        try:
+            ffn = list(ffn_devices) if remote is None else remote.ranks
+            slots = check_afd_options(cfg, attention_devices, ffn, num_microbatches, max_decode_slots)
+            check_int("ffn_retries", ffn_retries, 0)
+            M = len(attention_devices)
+            mesh = prefill_mesh or ({"expert": M} if cfg.n_routed_experts % M == 0 else {"data": M})
+            self._afd = {"microbatches": num_microbatches, "ffn_retries": ffn_retries,
+                         **({"remote_ffn": remote} if remote is not None else {"ffn_devices": ffn})}
+            super().__init__(params, cfg, prefill_devices=attention_devices, decode_devices=attention_devices,
+                             prefill_mesh=mesh, decode_mesh=mesh, colocated=True, max_decode_slots=slots, **kwargs)
+        except BaseException:
+            if remote is not None:
+                remote.close()
+            raise
 
     def _decode_pool(self, params, cfg: ModelConfig, devices, mesh_axes: dict, **options) -> AFDPool:
         return AFDPool(params, cfg, devices, mesh_axes, **self._afd, **options)

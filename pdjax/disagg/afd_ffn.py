@@ -123,30 +123,51 @@ class MeshExchange:
         return self._move(pieces, self.ffn_mesh, self.attention_mesh)
 
     def _move(self, pieces, src: Mesh, dst: Mesh):
-        ks, kd = self.parts(src), self.parts(dst)
-        src_devices, dst_devices = list(src.devices.flat), list(dst.devices.flat)
-        flat = [jax.tree.flatten(t) for t in pieces]
-        treedef, n_leaves = flat[0][1], len(flat[0][0])
-        shards, targets, where = [], [], []
-        for i, (leaves, _) in enumerate(flat):
-            for leaf, arr in enumerate(leaves):
-                on = {s.device: s.data for s in arr.addressable_shards}
-                for r, device in enumerate(src_devices):
-                    q, j = divmod(r * ks + i, kd)          # piece r*ks+i: rank q, piece array j there
-                    shards.append(on[device])
-                    targets.append(dst_devices[q])
-                    where.append((j, leaf, q))
-        moved = jax.device_put(shards, targets)
-        nbytes = [0] * n_leaves
-        grid = [[[None] * len(dst_devices) for _ in range(n_leaves)] for _ in range(kd)]
-        for (j, leaf, q), a in zip(where, moved):
-            grid[j][leaf][q] = a
-            nbytes[leaf] += a.nbytes
-        sharding = NamedSharding(dst, _spec(dst))
-        out = tuple(jax.tree.unflatten(treedef, [
-            jax.make_array_from_single_device_arrays((len(dst_devices) * g[0].shape[0],) + g[0].shape[1:], sharding, g)
-            for g in grid[j]]) for j in range(kd))
-        return out, nbytes
+        slices, where, treedef = outgoing(pieces, src, dst.devices.size)
+        dst_devices = list(dst.devices.flat)
+        moved = jax.device_put(slices, [dst_devices[q] for _, _, q in where])
+        return incoming(moved, where, treedef, dst), leaf_bytes(moved, where, treedef.num_leaves)
+
+
+def outgoing(pieces, src: Mesh, dst_ranks: int) -> tuple[list, list, object]:
+    """The one-device slices of piece arrays ``pieces`` (trees on ``src``) in send order, with
+    where each lands on a side of ``dst_ranks`` ranks: ``(slices, where, treedef)``,
+    ``where[n] = (j, leaf, q)``: slice n is leaf ``leaf`` of piece array j on destination rank
+    q. Piece p = r * (K/S) + i (rank r's i-th) is rank ``p // (K/D)``'s piece array
+    ``p % (K/D)`` there (see the module docstring)."""
+    ks = len(pieces)
+    kd = ks * src.devices.size // dst_ranks
+    flat = [jax.tree.flatten(t) for t in pieces]
+    slices, where = [], []
+    for i, (leaves, _) in enumerate(flat):
+        for leaf, arr in enumerate(leaves):
+            on = {s.device: s.data for s in arr.addressable_shards}
+            for r, device in enumerate(src.devices.flat):
+                q, j = divmod(r * ks + i, kd)
+                slices.append(on[device])
+                where.append((j, leaf, q))
+    return slices, where, flat[0][1]
+
+
+def incoming(arrays, where, treedef, dst: Mesh) -> tuple:
+    """The inverse of :func:`outgoing` on the destination: one-device ``arrays`` (on their
+    ranks' devices, as ``where`` says) -> the piece arrays (trees on ``dst``)."""
+    kd, n_leaves, ranks = 1 + max(j for j, _, _ in where), treedef.num_leaves, dst.devices.size
+    grid = [[[None] * ranks for _ in range(n_leaves)] for _ in range(kd)]
+    for (j, leaf, q), a in zip(where, arrays):
+        grid[j][leaf][q] = a
+    sharding = NamedSharding(dst, _spec(dst))
+    return tuple(jax.tree.unflatten(treedef, [
+        jax.make_array_from_single_device_arrays((ranks * g[0].shape[0],) + g[0].shape[1:], sharding, g)
+        for g in grid[j]]) for j in range(kd))
+
+
+def leaf_bytes(arrays, where, n_leaves: int) -> list[int]:
+    """Bytes that crossed per leaf (the slices' sizes summed by leaf)."""
+    out = [0] * n_leaves
+    for (_, leaf, _), a in zip(where, arrays):
+        out[leaf] += int(a.size) * a.dtype.itemsize
+    return out
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "ep"))

@@ -169,15 +169,20 @@ def _attention_params(lp: dict) -> dict:
 class AFDPool(DecodePool):
     """See the module docstring. ``ffn_devices``: the FFN pool's devices (the routed experts
     must divide over them); ``microbatches``: m; ``ffn_retries``: reruns of a micro-batch
-    whose FFN call failed before its requests fail. ``slots`` must split into m equal runs
+    whose FFN call failed before its requests fail; ``remote_ffn``: instead of ``ffn_devices``,
+    a :class:`~pdjax.disagg.afd_remote.RemoteFFN` (the FFN side in another process). ``slots`` must split into m equal runs
     on every attention rank, and a micro-batch's rows (slots/m) over the FFN ranks."""
 
-    def __init__(self, params, cfg: ModelConfig, devices, mesh_axes: dict, *, ffn_devices, microbatches: int,
-                 ffn_retries: int = 1, **options):
+    def __init__(self, params, cfg: ModelConfig, devices, mesh_axes: dict, *, ffn_devices=None, remote_ffn=None,
+                 microbatches: int, ffn_retries: int = 1, **options):
         super().__init__(params, cfg, devices, mesh_axes, **options)
         self.m, self.ffn_retries = microbatches, ffn_retries
-        self.ffn = FFNPool(self.params, cfg, list(ffn_devices))
-        self.exchange = MeshExchange(self.mesh, self.ffn.mesh)
+        if remote_ffn is not None:                 # the FFN side in another process: one object, both seams
+            remote_ffn.bind(self.mesh, self.params)
+            self.ffn = self.exchange = remote_ffn
+        else:
+            self.ffn = FFNPool(self.params, cfg, list(ffn_devices))
+            self.exchange = MeshExchange(self.mesh, self.ffn.mesh)
         self.segments = segments(cfg)
         self.layers = [_attention_params(lp) for lp in self.params["layers"]]
         p = self.params

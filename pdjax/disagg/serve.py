@@ -1,4 +1,5 @@
-"""PD serving across processes: the entry point of one role (``pdjax serve --role prefill|decode``).
+"""PD and AF serving across processes: the entry point of one role (``pdjax serve --role
+prefill|decode|ffn``; ffn: the routed experts of AF disaggregation, :mod:`pdjax.disagg.afd_remote`).
 
 Each role is a process on its own devices with the same params ``(preset, seed)``; the latent
 KV moves layer by layer with ``jax.experimental.transfer``. The roles:
@@ -36,7 +37,7 @@ def _prefix_options(spec: str) -> dict | None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdjax serve", description="One role of the two-process PD server.")
-    p.add_argument("--role", choices=("prefill", "decode"), required=True)
+    p.add_argument("--role", choices=("prefill", "decode", "ffn"), required=True)
     p.add_argument("--preset", default="tiny", help="config preset (pdjax.configs)")
     p.add_argument("--seed", type=int, default=0, help="params = init_params(cfg, key(seed))")
     p.add_argument("--mesh", default=None, help='mesh axes as JSON, e.g. \'{"data": 2, "expert": 2}\' '
@@ -53,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prefill-attempts", type=int, default=3,
                    help="decode: prefill attempts (failed or timed out) before a request fails")
     p.add_argument("--pull-timeout", type=float, default=60.0, metavar="SECONDS",
-                   help="decode: the deadline of each KV pull (then the attempt fails and is prefilled again)")
+                   help="decode: the deadline of each KV pull (then the attempt fails and is prefilled again); "
+                        "ffn: of each pull of a micro-batch's hidden states")
     p.add_argument("--host", default=LOOPBACK,
                    help="the address the control listener and the transfer server bind to (default loopback)")
     return p
@@ -71,6 +73,10 @@ def main(argv=None, *, link_wrapper=None) -> int:
         from pdjax.disagg.prefill_server import PrefillServer
         PrefillServer(params, cfg, mesh, block_size=args.block_size, prefix_cache=args.prefix_cache,
                       link_wrapper=link_wrapper, host=args.host).serve_forever()
+    elif args.role == "ffn":
+        from pdjax.disagg.afd_remote import FFNServer
+        from pdjax.disagg.prefill_server import mesh_devices
+        FFNServer(params, cfg, mesh_devices(mesh), host=args.host, pull_timeout_s=args.pull_timeout).serve_forever()
     else:
         from pdjax.disagg.decode_server import DecodeServer
         DecodeServer(params, cfg, mesh, slots=args.slots, block_size=args.block_size,
