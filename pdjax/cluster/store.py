@@ -38,6 +38,11 @@ def delete(key: str) -> None:
     _client().key_value_delete(key)
 
 
+def keys(prefix: str) -> list[str]:
+    """The keys set under ``prefix`` (a directory: ``prefix`` ends with ``/``), sorted."""
+    return sorted(k for k, _ in _client().key_value_dir_get(prefix))
+
+
 def barrier(name: str, timeout_s: float) -> None:
     """Wait until every process of the cluster reached the barrier ``name`` (each name once),
     up to ``timeout_s`` seconds (TimeoutError). The coordinator holds it: no device runs a

@@ -88,6 +88,7 @@ class Spanning:
         nonce = np.array(secrets.randbits(24), np.int64)
         self.nonce = int(multihost_utils.broadcast_one_to_all(nonce))
         self.steps = 0
+        self._measured_key = None
         self._lock = None
         # one device per process (its first rank's first device): where the step's results live
         leads = {}
@@ -137,6 +138,9 @@ class Spanning:
         # one start, one clock; a peer may still be compiling its first step (a dead one
         # fails the barrier through the cluster's heartbeat)
         store.barrier(name + "/start", max(self.ex.timeout_s, COMPILE_WAIT_S))
+        if self._measured_key is not None:       # every process is past the last step's gather
+            store.delete(self._measured_key)
+            self._measured_key = None
         try:
             run.drive()
             jax.block_until_ready([a for a in run.acc if a is not None])   # every pull has landed
@@ -182,7 +186,8 @@ class Spanning:
                               run.dispatch[r].tolist()] for r in self.local},
                 "peak": run.peak.tolist(), "stage_memory": {k: v.tolist() for k, v in run.stage_memory.items()}}
         me, n = jax.process_index(), self.mesh.size
-        store.put(f"{name}/measured/{me}", json.dumps(mine))
+        self._measured_key = f"{name}/measured/{me}"       # deleted at the next step's start
+        store.put(self._measured_key, json.dumps(mine))
         parts = [mine if p == me else json.loads(store.get(f"{name}/measured/{p}", self.ex.timeout_s))
                  for p in range(n)]
         for part in parts:

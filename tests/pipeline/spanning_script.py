@@ -9,6 +9,7 @@ import numpy as np
 
 import pdjax
 import pdjax.pipeline as pp
+from pdjax.cluster import store
 from timeline_checks import check_dependencies
 
 RANKS, ROWS, T = 4, 1, 8
@@ -30,6 +31,11 @@ def main(name: str, out: str) -> None:
     params = jax.device_put(jax.tree.map(np.asarray, params), ex.replicated)
     loss, grads = ex.step(params, tokens)
     loss2, _ = ex.step(params, tokens)           # a second step: the transfers' ids move on
+    ex.step(params, tokens)
+    # the cluster's store keeps only the last step's measurements: nothing grows per step
+    # (the offers' announcements are deleted by their pullers)
+    left = store.keys(f"pdjax/pipeline/{ex.spanning.nonce}/")
+    assert left and all(k.startswith(f"pdjax/pipeline/{ex.spanning.nonce}/2/measured/") for k in left), left
     leaves = {f"g{i}": np.asarray(g) for i, g in enumerate(jax.tree.leaves(grads))}
     if jax.process_index() == 0:
         tl = ex.last_timeline
