@@ -46,6 +46,7 @@ from pdjax.model.moe_decode import combine as _combine
 # the sorted-rows plan and the gather-based back ends live in moe_dispatch; importable here
 from pdjax.model.moe_dispatch import (SortedRows, _bucketed_rows, _looped_rows, _tiled_rows,  # noqa: F401
                                       bucket_fits, bucket_layout, loop_tile_rows, num_tiles, tile_rows)
+from pdjax.model.topk import top_k
 
 _STATS: list[list] = []
 
@@ -93,14 +94,14 @@ def gate(p, cfg: ModelConfig, x_ND):
     if cfg.topk_method != "greedy" and G > 1:
         grouped = choice.reshape(-1, G, E // G)
         if cfg.topk_method == "noaux_tc":
-            group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)
+            group_scores = top_k(grouped, 2)[0].sum(-1)
         else:
             group_scores = grouped.max(-1)
-        _, keep = jax.lax.top_k(group_scores, cfg.topk_group)
+        _, keep = top_k(group_scores, cfg.topk_group)
         group_mask = jnp.zeros_like(group_scores, dtype=bool).at[
             jnp.arange(group_scores.shape[0])[:, None], keep].set(True)
         choice = jnp.where(group_mask[:, :, None], grouped, -jnp.inf).reshape(-1, E)
-    _, idx = jax.lax.top_k(choice, k)
+    _, idx = top_k(choice, k)
     weights = jnp.take_along_axis(scores, idx, axis=-1)
     normalise = cfg.norm_topk_prob and k > 1
     if normalise:

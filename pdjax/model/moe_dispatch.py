@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from pdjax.model.moe_decode import swiglu, swiglu_grouped as _swiglu_grouped
+from pdjax.model.topk import top_k
 
 
 def tile_rows(num_assignments: int, num_experts: int) -> int:
@@ -163,7 +164,7 @@ def _bucketed_rows(x_src, k, plan: SortedRows, C, H, C2, w_gate, w_up, w_down):
     Only valid when :func:`bucket_fits`. Returns every row's output [R, D] (0: empty)."""
     E, D = plan.E, x_src.shape[1]
     over = jnp.maximum(plan.counts - C, 0)
-    heavy = jax.lax.top_k(over, H)[1].astype(jnp.int32)                 # [H] most loaded experts
+    heavy = top_k(over, H)[1].astype(jnp.int32)                 # [H] most loaded experts
 
     def inputs(expert_S, rank_S):    # each bucket gathered on its own: slicing one buffer copies
         return _gather(x_src, plan.rows_in(expert_S, rank_S, rank_S < plan.counts[expert_S]) // k)

@@ -93,15 +93,15 @@ def dualpipe_counts():
 
 
 def test_each_distinct_program_compiled_once(dualpipe_counts):
-    """DualPipe runs every chunk on both ranks: the dense model's copies are relocated, so jax
-    compiles exactly the distinct programs; the MoE programs (a sort XLA:CPU cannot serialize)
-    are compiled once per device, and only those. The relocated programs give the step of
-    value_and_grad."""
+    """DualPipe runs every chunk on both ranks: every copy is relocated, so jax compiles
+    exactly the distinct programs, for the dense model and for the MoE one (its routing's
+    top-k is sort-free, pdjax.model.topk: XLA:CPU's TopK cannot be serialized, and with
+    jax.lax.top_k the MoE copies were compiled once per device). The relocated programs give
+    the step of value_and_grad."""
     dense, moe = dualpipe_counts["dense"], dualpipe_counts["moe"]
-    assert dense["compiles"] == dense["distinct"] < dense["programs"], dense
-    assert dense["stats"]["relocated"] == dense["programs"] - dense["distinct"], dense
-    assert moe["compiles"] <= moe["distinct"] + moe["stats"]["relocate_failed"] < moe["programs"], moe
-    assert moe["stats"]["relocated"] >= 1, moe
+    for d in (dense, moe):       # (jax may find one program's code compiled already: <=)
+        assert d["compiles"] <= d["stats"]["compiled"] == d["distinct"] < d["programs"], d
+        assert d["stats"]["relocated"] == d["programs"] - d["distinct"] and not d["stats"]["relocate_failed"], d
     for d in (dense, moe):
         assert d["loss_err"] < 1e-5 and d["grad_err"] < 1e-5, d
 
