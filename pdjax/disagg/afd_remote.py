@@ -15,7 +15,7 @@ the FFN process pulls every slice onto the FFN rank it belongs to (layouts check
 deadline), joins them into its piece arrays (:func:`~pdjax.disagg.afd_ffn.incoming`), runs
 the experts, offers its sealed output the same way and answers ``out{id, desc, where}``;
 ``to_attention`` waits for that answer and pulls. Only descriptors cross the control
-connection; the arrays never visit either host. A failure on the FFN side answers
+connection; the arrays move between the transfer servers, never through Python. A failure on the FFN side answers
 ``error{id, error}``; a dead FFN process ends the connection: both raise in ``to_attention``
 (the pool's :class:`~pdjax.disagg.afd_pool.FFNError`: the micro-batch is run again, then its
 requests fail alone).

@@ -73,9 +73,7 @@ def run(c: Config, out_dir: str) -> Result:
     """M:N sweep of one AF unit vs plain decode instances of the same count."""
     from pdjax.analysis import afd_speedup
     from pdjax.analysis.afd_bounds import attention_share
-    c = serving.scaled(c)
-    cost, hw, ep, link, _ = serving.build_cost(c)
-    slo, target = serving.slo(c)
+    c, cost, hw, ep, link, _, slo, target = serving.setup(c)
     sw, m = c.sweep, c.sweep.microbatches
     af_extra, pd_extra = _bounds(cost, sw.max_batch)
     rows = []

@@ -58,9 +58,7 @@ def _plot(rows: list[dict], labels, target: float, title: str):
 
 def run(c: Config, out_dir: str) -> Result:
     """Goodput over arrival rate: N colocated instances vs the same N split P + D."""
-    c = serving.scaled(c)
-    cost, hw, ep, link, _ = serving.build_cost(c)
-    slo, target = serving.slo(c)
+    c, cost, hw, ep, link, _, slo, target = serving.setup(c)
     n, p = c.deployment.instances, c.deployment.prefill
     deployments = {"colocated": Colocated(n, token_budget=c.deployment.colocated_token_budget),
                    f"{p}P{n - p}D": PDDisaggregated(p, n - p, **serving.pd_kwargs(c, link))}

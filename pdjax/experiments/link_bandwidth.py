@@ -67,9 +67,7 @@ def _headline(rows: list[dict]) -> str:
 def run(c: Config, out_dir: str) -> Result:
     """Disaggregation gain against KV link bandwidth, next to the analytic handoff ratio."""
     from pdjax.analysis import handoff_to_prefill_ratio, kv_bytes_per_token, param_counts
-    c = serving.scaled(c)
-    cost, hw, ep, _, model = serving.build_cost(c)
-    slo, target = serving.slo(c)
+    c, cost, hw, ep, _, model, slo, target = serving.setup(c)
     sw = c.sweep
     n, p = sw.instances, sw.prefill
     kvb = kv_bytes_per_token(model, dtype_bytes=1 if c.hardware.dtype == "fp8" else 2)

@@ -32,9 +32,7 @@ class Config(serving.Serving):
 
 def run(c: Config, out_dir: str) -> Result:
     """Mooncake-style P:D sweep at a fixed instance count: highest rate meeting the SLO."""
-    c = serving.scaled(c)
-    cost, hw, ep, link, _ = serving.build_cost(c)
-    slo, target = serving.slo(c)
+    c, cost, hw, ep, link, _, slo, target = serving.setup(c)
     total = c.sweep.instances
     counts = c.sweep.prefill or list(range(max(1, total // 2 - 3), min(total, total // 2 + 4)))
     rows = []

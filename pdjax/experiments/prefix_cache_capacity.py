@@ -52,9 +52,7 @@ def _plot(rows: list[dict], block_size: int, title: str):
 
 def run(c: Config, out_dir: str) -> Result:
     """Prefix-cache hit rate and TTFT against store capacity (multi-turn + system prompts)."""
-    c = serving.scaled(c)
-    cost, hw, ep, link, _ = serving.build_cost(c)
-    slo, _ = serving.slo(c)
+    c, cost, hw, ep, link, _, slo, _ = serving.setup(c)
     sw = c.sweep
     n, p, bs = sw.instances, sw.prefill, sw.block_size
     reqs = workload_at_rate(c.workload, c.workload.rate)

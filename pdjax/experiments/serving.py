@@ -159,6 +159,14 @@ def slo(c: Serving) -> tuple[SLO, float]:
     return SLO(c.slo.ttft, c.slo.tpot), c.slo.target
 
 
+def setup(c: Serving) -> tuple:
+    """What every serving experiment starts from: ``(c scaled, cost model, hardware spec,
+    ep_size, per-instance link bytes/s, model config, SLO, attainment target)``
+    (:func:`scaled`, :func:`build_cost`, :func:`slo`)."""
+    c = scaled(c)
+    return (c, *build_cost(c), *slo(c))
+
+
 def pd_kwargs(c, link: float) -> dict:
     """PDDisaggregated options: the link and the config's ``[pd]`` table."""
     return {"link_bw": link, **c.pd}
