@@ -96,7 +96,8 @@ class RemoteFFN:
                                  "checkpoint is not the attention side's")
             self.attention_mesh, self.devices = attention_mesh, list(attention_mesh.devices.flat)
             self.pieces = math.lcm(attention_mesh.devices.size, self.ranks)
-            self.sender = ArraySender(start_transfer_server(jax.local_devices()))
+            # bound where the FFN process reached us: the interface of the control connection
+            self.sender = ArraySender(start_transfer_server(jax.local_devices(), self.ctl.sock.getsockname()[0]))
             self.receiver = ArrayReceiver(self.hello["transfer"], server=self.sender.server, timeout_s=self.timeout_s)
             self.ctl.send({"op": "hello", "transfer": self.sender.address, "ranks": len(self.devices)})
         except BaseException:
