@@ -17,11 +17,8 @@ import pdjax
 from pdjax.disagg import AFDEngine, RequestError, launch_ffn
 
 from faults import alive, assert_nothing_held, free_blocks
+from child_env import CHILD_ENV
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CHILD_ENV = {"JAX_DEFAULT_MATMUL_PRECISION": "highest",
-             "JAX_COMPILATION_CACHE_DIR": os.path.join(ROOT, ".jax_cache"),
-             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"}
 NEW = 5
 LENS = (1, 7, 30, 13)
 

@@ -22,11 +22,8 @@ from pdjax.disagg import launch_pd
 from pdjax.disagg.router import least_loaded
 
 from faults import alive, inject_prefill_fault
+from child_env import CHILD_ENV
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CHILD_ENV = {"JAX_DEFAULT_MATMUL_PRECISION": "highest",
-             "JAX_COMPILATION_CACHE_DIR": os.path.join(ROOT, ".jax_cache"),
-             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"}
 NEW = 5
 LONG = 32                       # request 1's tokens in the kill test: still decoding when its instance dies
 HOST = "127.0.0.2"

@@ -20,12 +20,8 @@ from pdjax.disagg import launch_two_process
 from pdjax.cluster.transfer import ArrayReceiver, ArraySender, Control, layout, listen
 
 from faults import alive, inject_prefill_fault
+from child_env import CHILD_ENV
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# the children compute as this test process does (conftest), and share its compilation cache
-CHILD_ENV = {"JAX_DEFAULT_MATMUL_PRECISION": "highest",
-             "JAX_COMPILATION_CACHE_DIR": os.path.join(ROOT, ".jax_cache"),
-             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"}
 NEW = 5
 LONG = 40                        # prompt 200 + 40 fits max_context 256
 SERVE_FAULTY = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve_faulty.py")]
