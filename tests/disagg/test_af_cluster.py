@@ -82,6 +82,28 @@ def test_three_attention_ranks_against_four_ffn_ranks(tiny_cfg, tiny_params, ffn
         e.decode.ffn.close()
 
 
+def test_two_attention_engines_share_one_ffn_process(tiny_cfg, tiny_params, ffn, eng, prompts, expected):
+    """A second engine (2 other attention devices) on the same FFN process, both generating
+    at once from two threads: the FFN process serves each connection's calls in order and
+    both get the reference tokens (the deployment shape of AFD: several attention instances
+    per FFN pool)."""
+    import threading
+
+    other = AFDEngine(tiny_params, tiny_cfg, attention_devices=jax.devices()[2:4], ffn_address=ffn.address,
+                      num_microbatches=2, block_size=16, max_context=64)
+    try:
+        out = {}
+        threads = [threading.Thread(target=lambda k, e: out.__setitem__(k, e.generate(prompts, max_new_tokens=NEW)),
+                                    args=(k, e)) for k, e in enumerate((eng, other))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert out == {0: expected, 1: expected}
+    finally:
+        other.decode.ffn.close()
+
+
 def test_params_other_than_the_ffn_process_are_refused(tiny_cfg, ffn):
     other = pdjax.init_params(tiny_cfg, jax.random.key(1))
     with pytest.raises(ValueError, match=r"other routed experts than these params \(layer 1 w_down"):
