@@ -271,3 +271,17 @@ def test_kv_defaults_and_the_zero_free_memory_boundary():
     with pytest.raises(ValueError, match="do not fit"):
         kv.free_memory_bytes(100.0, 60.0, 40.0)
     assert kv.free_memory_bytes(100.0, 60.0, 39.0) == 1.0
+
+
+def test_kv_heads_per_attention_kind_and_the_mla_default():
+    """kv_heads caches n_h K/V heads per layer for MHA, num_kv_groups for GQA, one for MQA and
+    none for MLA (a shared latent instead: 0, as documented); kv_elements_per_token without an
+    attention kind is MLA's (d_c + d_R) * L (both found unpinned by mutation testing)."""
+    from pdjax.analysis import kv
+
+    cfg = pdjax.configs.deepseek_v3()
+    h = cfg.num_attention_heads
+    assert [kv.kv_heads(cfg, k) for k in ("mha", "mqa", "mla")] == [h, 1, 0]
+    assert kv.kv_heads(cfg, "gqa", num_kv_groups=8) == 8
+    assert kv.kv_elements_per_token(cfg) == kv.kv_elements_per_token(cfg, "mla") == \
+        (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_hidden_layers

@@ -4,6 +4,7 @@ equal pdjax.generate with slots at very different lengths), a received chunk lan
 same buffer, and a step makes one device-to-host transfer (the tokens) and none the other
 way; every pool and buffer update is donated."""
 
+import dataclasses
 import re
 
 import jax
@@ -219,3 +220,60 @@ def test_paged_cache_accounting_and_unsharded_multi_row_write(tiny_cfg):
     np.testing.assert_array_equal(np.asarray(view), want)
     np.testing.assert_array_equal(np.asarray(layer.pool[0, 2, 2:]), np.asarray(new[0, :2]))   # block 2 first
     np.testing.assert_array_equal(np.asarray(layer.pool[0, 1, 0]), np.asarray(new[0, 2]))
+
+
+def test_block_allocator_view_bounds_and_the_unsharded_cache(tiny_cfg):
+    """Mutation-testing gaps (docs/mutation.md): the allocator hands out every block but the
+    scratch block 0 (num_blocks - 1 per rank), refuses more than are free, and releases only
+    blocks 1..num_blocks-1; ``with_view`` takes 1..blocks_per_slot blocks; a cache without a
+    mesh has one rank (so any slot count divides), its batch, block size and max_len, the
+    config's KV dtype by default, and a positive slot count; blocks_per_slot * block_size may
+    reach max_position_embeddings but not pass it."""
+    from pdjax.model.paged import BlockAllocator, init_paged_cache
+    alloc = BlockAllocator(2, 5, BLOCK)
+    assert [alloc.available(r) for r in (0, 1)] == [5 - 1, 5 - 1]
+    assert alloc.allocate(0, 5) is None and alloc.available(0) == 5 - 1
+    got = alloc.allocate(0, 5 - 1)
+    assert sorted(got) == [1, 2, 3, 4] and alloc.available(0) == 0 and alloc.available(1) == 5 - 1
+    for bad in (0, 5):
+        with pytest.raises(ValueError, match=f"block {bad} is not a releasable block of rank 0"):
+            alloc.release(0, [bad])
+    alloc.release(0, got)
+    assert alloc.available(0) == 5 - 1
+    cache = init_paged_cache(tiny_cfg, slots=3, num_blocks=2, block_size=BLOCK, blocks_per_slot=2)
+    assert cache.pools[0].shape[0] == 1 and cache.with_view(2).view_blocks == 2
+    assert (cache.batch, cache.block_size, cache.max_len) == (3, BLOCK, 2 * BLOCK)
+    assert cache.dtype == jax.numpy.dtype(tiny_cfg.kv_cache_dtype)
+    bf16 = init_paged_cache(tiny_cfg.replace(cache_dtype="bfloat16"), slots=1, num_blocks=2, block_size=BLOCK,
+                            blocks_per_slot=1)
+    assert bf16.dtype == jax.numpy.bfloat16                     # the config's KV dtype by default
+    with pytest.raises(ValueError, match="slots must be a positive integer, got 0"):
+        init_paged_cache(tiny_cfg, slots=0, num_blocks=2, block_size=BLOCK, blocks_per_slot=1)
+    for bad in (0, 3):
+        with pytest.raises(ValueError, match=re.escape(f"view_blocks must be in [1, 2] or None, got {bad}")):
+            cache.with_view(bad)
+    most = tiny_cfg.max_position_embeddings // BLOCK
+    assert init_paged_cache(tiny_cfg, slots=1, num_blocks=2, block_size=BLOCK, blocks_per_slot=most).max_len == \
+        most * BLOCK
+    with pytest.raises(ValueError, match="exceeds max_position_embeddings"):
+        init_paged_cache(tiny_cfg, slots=1, num_blocks=2, block_size=BLOCK, blocks_per_slot=most + 1)
+
+
+def test_a_cache_split_over_two_mesh_axes_gives_each_rank_its_own_pool(tiny_cfg):
+    """Mutation-testing gap (docs/mutation.md): with DP ranks over two mesh axes (2 x 2), the
+    cache and the attention's write_and_view shard over both (P(("a", "b"))): each device holds
+    one rank's pool, and slot r's row lands in rank r's pool and view (the decode pool's
+    tests use one axis, which shards alike whichever spec)."""
+    import jax.numpy as jnp
+    from pdjax.model.paged import init_paged_cache
+    mesh = jax.make_mesh((2, 2), ("a", "b"), devices=jax.devices()[:4])
+    cache = init_paged_cache(tiny_cfg, slots=4, num_blocks=2, block_size=BLOCK, blocks_per_slot=1, mesh=mesh,
+                             axes=("a", "b"), dtype="float32")
+    assert {s.data.shape[0] for s in cache.pools[0].addressable_shards} == {1}
+    W = tiny_cfg.kv_latent_dim
+    ranks = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("a", "b")))
+    new = jax.device_put(jnp.arange(1.0, 1.0 + 4 * W).reshape(4, 1, W), ranks)   # a row per slot, at 0
+    layer = dataclasses.replace(cache.layers()[0], block_tables=jax.device_put(jnp.ones((4, 1), jnp.int32), ranks))
+    layer, view = layer.write_and_view(new, jax.device_put(jnp.zeros((4,), jnp.int32), ranks))
+    np.testing.assert_array_equal(np.asarray(layer.pool[:, 1, 0]), np.asarray(new[:, 0]))
+    np.testing.assert_array_equal(np.asarray(view[:, 0]), np.asarray(new[:, 0]))

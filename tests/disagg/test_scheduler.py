@@ -12,7 +12,7 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pdjax.disagg.request import Request, RequestError
-from pdjax.disagg.scheduler import (CancelPrefill, DecodeScheduler, Failed, Finished, LayerArrived, Ready,
+from pdjax.disagg.scheduler import (CancelPrefill, Compiling, DecodeScheduler, Failed, Finished, LayerArrived, Ready,
                                     Started, StartPrefill, Stepped, Submit, Tick, Token)
 
 LAYERS, BLOCK, STOP = 3, 8, 99
@@ -267,3 +267,143 @@ def test_a_failed_decode_slot_ends_its_request_with_the_error():
     assert reqs[0].error is err and reqs[0].finish_time is None and reqs[0].output == [5]
     assert reqs[1].error is None and reqs[1].output == [5, 7] and s.remaining == 1
     assert pool.slot_req[slot[0]] is None and pool.slot_req[slot[1]] is not None
+
+
+def _prefill(s, idx, n, t, layers=range(LAYERS), rows=5, first=5, checksums=None):
+    """The prefill side of one attempt: its layers (10 bytes each), then Ready; the actions."""
+    out = []
+    for layer in layers:
+        out += s.handle(LayerArrived(idx, n, layer, rows, 0, 10, t))
+    return out + s.handle(Ready(idx, n, first, t, checksums=checksums))
+
+
+def test_deadlines_pause_while_compiling_and_expire_only_past_the_deadline():
+    """Mutation-testing gaps (docs/mutation.md): no deadline while queued at the prefill or
+    compiling; otherwise ``last progress + handoff_timeout_s``, and an attempt is abandoned
+    only strictly past it; every timeout and every late message is counted."""
+    s = DecodeScheduler(FakePool(slots=1, blocks=10), handoff_timeout_s=2.0)
+    req = Request(0, [1] * 5, 2)
+    s.handle(Submit(req, 0.0))
+    assert s.deadline() == math.inf                            # queued at the prefill
+    s.handle(Started(0, 1, 1.0))
+    assert s.deadline() == 1.0 + 2.0
+    s.handle(Compiling(0, 1, True, 1.5))
+    assert s.deadline() == math.inf and s.handle(Tick(100.0)) == []
+    s.handle(Compiling(0, 1, False, 100.0))                   # compiled: the deadline restarts
+    assert s.deadline() == 100.0 + 2.0
+    assert s.handle(Tick(102.0)) == []                        # at the deadline, not past it
+    out = s.handle(Tick(102.5))
+    assert [type(a) for a in out] == [CancelPrefill, StartPrefill] and out[1].attempt.number == 2
+    for _ in range(2):                                         # attempt 1's late layers: stale
+        assert s.handle(LayerArrived(0, 1, 0, 5, 0, 10, 103.0)) == []
+    s.handle(Started(0, 2, 103.0))
+    assert [type(a) for a in s.handle(Tick(105.5))] == [CancelPrefill, StartPrefill]
+    assert req.handoff_timeouts == 2 and req.kv_bytes_sent == 0
+    assert s.stats["handoff_timeouts"] == 2 and s.stats["stale_messages"] == 2
+
+
+def test_failures_end_a_request_after_max_prefill_attempts_or_at_once_when_fatal():
+    """Mutation-testing gaps (docs/mutation.md): by default a request is prefilled at most 3
+    times, then ends with a RequestError naming the count and the last reason; a fatal
+    failure ends it at once with its own reason; one attempt is a valid limit."""
+    s = DecodeScheduler(FakePool(slots=2, blocks=20))
+    req, bad = Request(0, [1] * 5, 2), Request(1, [1] * 5, 2)
+    started = [a.attempt.number for a in s.handle(Submit(req, 0.0)) if isinstance(a, StartPrefill)]
+    for n in (1, 2, 3):
+        out = s.handle(Failed(0, n, "link dropped", float(n)))
+        started += [a.attempt.number for a in out if isinstance(a, StartPrefill)]
+    assert started == [1, 2, 3] and req.prefill_attempts == 3
+    assert [a.request for a in out if isinstance(a, Finished)] == [req]
+    assert isinstance(req.error, RequestError) and "failed 3 times: link dropped" in str(req.error)
+    assert req.finish_time is None
+    s.handle(Submit(bad, 4.0))
+    out = s.handle(Failed(1, 1, "prompt too long", 4.0, fatal=True))
+    assert [type(a) for a in out] == [Finished] and str(bad.error) == "prompt too long"
+    assert bad.prefill_attempts == 1 and s.remaining == 0 and not s.attempts
+    once = DecodeScheduler(FakePool(slots=1, blocks=10), max_prefill_attempts=1)
+    once.handle(Submit(Request(0, [1] * 5, 2), 0.0))
+    assert [type(a) for a in once.handle(Failed(0, 1, "link dropped", 1.0))] == [Finished]
+
+
+class PickyPool(FakePool):
+    """A pool that refuses a payload of the wrong shape, as DecodePool does."""
+
+    def receive_layer(self, res, layer, rows, start):
+        if rows == "bad":
+            raise ValueError("wrong shape")
+        super().receive_layer(res, layer, rows, start)
+
+
+def test_a_malformed_layer_fails_its_attempt_and_is_counted_once_each():
+    """Mutation-testing gap (docs/mutation.md): a layer the pool refuses cancels its attempt
+    (CancelPrefill, blocks freed, bytes not counted) and retries it; each is one
+    ``malformed_payloads``; an intact attempt is then admitted."""
+    pool = PickyPool(slots=1, blocks=10)
+    s = DecodeScheduler(pool)
+    req = Request(0, [1] * 5, 2)
+    s.handle(Submit(req, 0.0))
+    for n in (1, 2):
+        out = s.handle(LayerArrived(0, n, 0, "bad", 0, 10, float(n)))
+        assert [type(a) for a in out] == [CancelPrefill, StartPrefill] and out[0].attempt == n
+    assert s.stats["malformed_payloads"] == 2 and req.kv_bytes_sent == 0 and req.error is None
+    out = _prefill(s, 0, 3, 3.0)
+    assert [type(a).__name__ for a in out] == ["Token", "Admitted"] and req.kv_bytes_sent == 10 * LAYERS
+
+
+def test_unchecked_payloads_and_a_chunk_that_was_never_sent():
+    """Mutation-testing gaps (docs/mutation.md): a Ready without checksums, or a scheduler
+    without a checksum, is not checked; a chunk that arrived but is not among the sent
+    checksums fails the attempt, naming its layer, and each such attempt counts once."""
+    sums = [[layer, 0, 5, 7] for layer in range(LAYERS)]
+    checked = DecodeScheduler(FakePool(slots=1, blocks=10), checksum=fake_checksum)
+    checked.handle(Submit(Request(0, [1] * 5, 2), 0.0))
+    for layer in range(LAYERS):
+        checked.handle(LayerArrived(0, 1, layer, 5, 0, 10, 1.0))
+    assert "Admitted" in [type(a).__name__ for a in checked.handle(Ready(0, 1, 5, 1.0))]   # no checksums
+    unchecked = DecodeScheduler(FakePool(slots=1, blocks=10))
+    unchecked.handle(Submit(Request(0, [1] * 5, 2), 0.0))
+    wrong = [[layer, 0, 6, 7] for layer in range(LAYERS)]
+    assert "Admitted" in [type(a).__name__ for a in _prefill(unchecked, 0, 1, 1.0, checksums=wrong)]
+    s = DecodeScheduler(FakePool(slots=1, blocks=10), checksum=fake_checksum, max_prefill_attempts=2)
+    req = Request(0, [1] * 5, 2)
+    s.handle(Submit(req, 0.0))
+    for n in (1, 2):                                           # layer 2 arrives, is not in the sums
+        out = _prefill(s, 0, n, float(n), checksums=sums[:2])
+    assert [type(a) for a in out] == [Finished] and s.stats["corrupt_payloads"] == 2
+    assert str(req.error).endswith("failed 2 times: layer 2 arrived but was never sent")
+
+
+def test_request_times_running_the_trace_and_abandon():
+    """Mutation-testing gaps (docs/mutation.md): a request's reserve wait (submit to
+    reservation), KV wait (reservation to Ready), first-token and finish times; ``running``
+    is a bool property; the trace records each action and each refused reservation
+    (``PoolFull``, one per event that finds the pool full, before that event's actions) with
+    its time and request; ``abandon`` gives back every reservation and
+    slot and forgets the waiting requests."""
+    trace: list = []
+    pool = FakePool(slots=1, blocks=10)
+    s = DecodeScheduler(pool, trace=trace)
+    r0, r1 = Request(0, [1] * 5, 3), Request(1, [1] * 5, 3)
+    s.handle(Submit(r0, 1.0))
+    s.handle(Submit(r1, 1.0))                                   # one slot: r1 waits
+    assert s.running is False and s.stats["pool_full"] == 1
+    _prefill(s, 0, 1, 1.5)
+    assert s.running is True and s.stats["pool_full"] == 1 + LAYERS + 1   # refused at every event
+    s.handle(Stepped({0: 7}, 2.0))
+    s.handle(Stepped({0: 7}, 2.5))                             # r0 ends: r1 gets the slot
+    assert r0.output == [5, 7, 7] and s.running is False
+    assert (r0.reserve_wait_s, r0.kv_wait_s, r0.first_token_time, r0.finish_time) == (
+        1.0 - 1.0, 1.5 - 1.0, 1.5, 2.5)
+    assert r1.reserve_wait_s == 2.5 - 1.0
+    assert trace == [(1.0, "StartPrefill", 0), (1.0, "PoolFull", 1)] + [(1.5, "PoolFull", 1)] * (LAYERS + 1) + [
+        (1.5, "Token", 0), (1.5, "Admitted", 0), (2.0, "PoolFull", 1), (2.0, "Token", 0), (2.5, "Token", 0),
+        (2.5, "Finished", 0), (2.5, "StartPrefill", 1)]
+    pool = FakePool(slots=2, blocks=10)
+    s = DecodeScheduler(pool)
+    for i in range(3):                                          # running, in flight, waiting
+        s.handle(Submit(Request(i, [1] * 5, 3), 0.0))
+    _prefill(s, 0, 1, 0.5)
+    assert s.running and len(s.attempts) == 1 and len(s.waiting) == 1
+    s.abandon()
+    assert len(pool.free) == 10 and pool.pending == [] and pool.slot_req == [None, None]
+    assert not s.attempts and not s.waiting and s.running is False

@@ -226,3 +226,39 @@ def test_an_overlapped_forward_and_input_grad_pair_costs_FB_minus_W_or_FI():
     for kw, want in (({}, 3.0 - 0.5), ({"FI": 1.7}, 1.7), ({"W": 2.0, "FB": 1.5}, 0.0)):
         t = pp.simulate(s, **{"F": 1.0, "B": 2.0, "W": 0.5, **kw})
         assert t.ends[0][4] - t.starts[0][4] == pytest.approx(want), kw
+
+
+def test_a_full_backward_frees_one_unit_and_an_idle_rank_holds_nothing():
+    """One stage on rank 0 running 0F0, 0B0, 0F1, 0F2, 0B1, 0B2 (rank 1 owns no stage and
+    idles). Units: F +1, B -1 -> 1, 0, 1, 2, 1, 0: peak 2 (after a B, so a B that freed
+    more would show); bytes with F=10: 20. The idle rank holds nothing and idles for the
+    whole makespan (mutation testing found the B's unit and the empty rank unpinned)."""
+    f, b = F, B
+    ops = ((f(0, 0), b(0, 0), f(0, 1), f(0, 2), b(0, 1), b(0, 2)), ())
+    s = pp.Schedule("idle", pp.Layout.chain((0,), 3, num_ranks=2), ops)
+    t = pp.simulate(s, memory={"F": 10})
+    assert t.peak_activations.tolist() == [2, 0]
+    np.testing.assert_array_equal(t.peak_memory, [20.0, 0.0])
+    assert t.bubble[1] == t.makespan
+
+
+def test_a_zero_length_input_grad_frees_before_it_allocates():
+    """One stage: 0F0, 0I0, 0W0 with B = W = 1, so I = B - W = 0 and the I starts and ends
+    at t = 1. Memory F=10, I=3, I_free=4: frees before allocations at equal times gives
+    0F0 +10=10 | t=1: I frees 4 -> 6, then allocates 3 -> 9 | 0W0 -(10+3-4) -> 0: peak 10
+    (program order, allocation first, would give 13). Mutation testing found the time sort
+    and its tie rule unpinned: ops on a rank never overlap, so only a zero-length op ties."""
+    s = pp.Schedule("zero-I", pp.Layout.chain((0,), 1), ((F(0, 0), I(0, 0), W(0, 0)),))
+    t = pp.simulate(s, F=1.0, B=1.0, W=1.0, memory={"F": 10, "I": 3, "I_free": 4})
+    assert t.starts[0][1] == t.ends[0][1] == 1.0
+    np.testing.assert_array_equal(t.peak_memory, [10.0])
+    assert t.peak_activations.tolist() == [1]
+
+
+def test_simulate_validates_by_default():
+    """A schedule whose forward comes after its backward is refused by the validator (a
+    ScheduleError naming the op) unless ``check=False`` (mutation testing found the default
+    unpinned)."""
+    bad = pp.Schedule("late-F", pp.Layout.chain((0,), 1), ((B(0, 0), F(0, 0)),))
+    with pytest.raises(pp.ScheduleError):
+        pp.simulate(bad)
