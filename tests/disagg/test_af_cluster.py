@@ -53,7 +53,7 @@ def _engine(cfg, params, ffn, M, m, **kw):
 @pytest.fixture(scope="module")
 def eng(tiny_cfg, tiny_params, ffn):
     """2 attention ranks, 2 micro-batches: 2 * lcm(2, 4) = 8 slots."""
-    return _engine(tiny_cfg, tiny_params, ffn, 2, 2, ffn_timeout_s=3.0)
+    return _engine(tiny_cfg, tiny_params, ffn, 2, 2)
 
 
 def _moe_layers(cfg):
@@ -118,11 +118,14 @@ def test_a_stalled_ffn_process_fails_its_steps_alone_and_serves_when_resumed(eng
     requests fail (RequestError naming the FFN side); nothing is held. SIGCONT: the late
     answers of the failed calls are dropped and the next batch is served exactly."""
     free = free_blocks(eng)
-    os.kill(ffn.pid, signal.SIGSTOP)
+    remote = eng.decode.ffn
+    remote.timeout_s = remote.receiver.timeout_s = 3.0     # as ffn_timeout_s=3 (the other tests keep
+    os.kill(ffn.pid, signal.SIGSTOP)                       # 60 s: a cold FFN compile may take seconds)
     try:
         out = eng.generate(prompts[:2], max_new_tokens=NEW)
     finally:
         os.kill(ffn.pid, signal.SIGCONT)
+        remote.timeout_s = remote.receiver.timeout_s = 60.0
     assert all(isinstance(o, RequestError) and "the FFN side failed" in str(o) and "TimeoutError" in str(o)
                for o in out), out
     assert_nothing_held(eng, free)
