@@ -25,7 +25,7 @@ from faults import alive, inject_prefill_fault
 from child_env import CHILD_ENV
 
 NEW = 5
-LONG = 32                       # request 1's tokens in the kill test: still decoding when its instance dies
+LONG = 200                      # request 1's tokens in the kill test: still decoding when its instance dies (32 once finished first on a loaded CI machine)
 HOST = "127.0.0.2"
 # the production entry point plus a ``fault`` control op arming the prefill process's link
 SERVE_FAULTY = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve_faulty.py")]
@@ -101,11 +101,24 @@ def test_a_layout_other_than_offered_is_refused_by_the_decode_instance(cluster, 
 
 
 def test_a_killed_decode_instance_loses_none_of_its_requests(cluster, tiny_cfg, prompts, expected, expected_long):
-    """SIGKILL decode1 once request 1 (served there, 32 tokens long) has streamed 2 tokens:
+    """SIGKILL decode1 once request 1 (served there, LONG = 200 tokens) has streamed 2 tokens:
     its unfinished requests are re-issued to decode0 (decode1 restarts in the background);
-    every request finishes with the reference tokens, each token streamed once."""
-    served = list(cluster.stats.get("served", [0, 0]))       # finished per instance before this test
-    old = cluster.pid("decode1")
+    every request finishes with the reference tokens, each token streamed once. Whether the
+    kill lands mid-request is a race with the client reading (32 tokens once finished first
+    on a loaded CI machine): a round where decode1 had already sent all of request 1 is
+    checked all the same and run again, up to 3 rounds."""
+    for _ in range(3):
+        cluster.wait_up(timeout=50)                 # decode1, restarted by the round before
+        moved = _kill_decode1_round(cluster, tiny_cfg, prompts, expected, expected_long)
+        if 1 in moved:
+            return
+    pytest.fail("in 3 rounds decode1 sent all of request 1 before its SIGKILL landed")
+
+
+def _kill_decode1_round(cluster, tiny_cfg, prompts, expected, expected_long) -> list:
+    """One round of the kill test; returns the re-issued requests."""
+    served = list(cluster.stats.get("served", [0, 0]))       # finished per instance before this round
+    old, restarts = cluster.pid("decode1"), cluster.decode_restarts
     streamed = collections.defaultdict(list)
     at_kill: dict = {}
 
@@ -122,12 +135,13 @@ def test_a_killed_decode_instance_loses_none_of_its_requests(cluster, tiny_cfg, 
     assert dict(streamed) == dict(enumerate(want))                # nothing lost, nothing twice
     per = cluster.stats["requests"]
     moved = [i for i, r in enumerate(per) if r["reissued"]]
-    assert 1 in moved and all(per[i]["reissued"] == 1 and per[i]["instance"] == 0 for i in moved)
+    assert all(per[i]["reissued"] == 1 and per[i]["instance"] == 0 for i in moved)
     assert all(per[i]["reissued"] == 0 for i in (0, 2, 4))          # decode0's own: untouched
     assert [r["kv_bytes_received"] for r in per] == [len(p) * _row_bytes(tiny_cfg) for p in prompts]
-    assert cluster.stats["decode_restarts"] == 1 and not alive(old) and cluster.pid("decode1") != old
+    assert cluster.decode_restarts == restarts + 1 and not alive(old) and cluster.pid("decode1") != old
     done = [b - a for a, b in zip(served, cluster.stats["served"])]
     assert done == [3 + len(moved), 3 - len(moved)]                # decode1's finished before the kill stay
+    return moved
 
 
 def test_a_killed_prefill_process_is_restarted_once_for_both_instances(cluster, prompts, expected):
