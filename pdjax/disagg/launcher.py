@@ -133,9 +133,15 @@ class PDCluster:
             if got is None:
                 down = [f"decode{k}" for k, up in enumerate(self.router.live) if not up]
                 raise TimeoutError(f"{down} not up after {timeout} s")
-            k, msg = got
-            if msg is None or msg["op"] == "prefill_lost":     # a death between generate calls
-                self._recover(k, msg, {"decode": 0, "prefill": 0}, max_restarts=3)
+            self._recover_between_calls(*got)
+
+    def _recover_between_calls(self, k: int, msg: dict | None) -> bool:
+        """Recover from a death (``msg`` None: decode instance ``k``; ``prefill_lost``: the
+        prefill process) seen outside a generate's loop; whether ``msg`` was one."""
+        if msg is not None and msg["op"] != "prefill_lost":
+            return False
+        self._recover(k, msg, {"decode": 0, "prefill": 0}, max_restarts=3)
+        return True
 
     def _connect(self, k: int, info: dict) -> None:
         """Connect to decode instance ``k`` (ready with ``info``) and route requests to it."""
@@ -302,11 +308,11 @@ class PDCluster:
             if got is None:
                 break
             k, msg = got
-            if msg is None or msg["op"] == "prefill_lost":   # a death after the last result:
-                if msg is None:                                 # recovered now, not lost
-                    asked.discard(k)
-                self._recover(k, msg, {"decode": 0, "prefill": 0}, max_restarts=3)
-            elif msg["op"] == "stats":
+            if msg is None:
+                asked.discard(k)
+            if self._recover_between_calls(k, msg):   # a death after the last result: recovered, not lost
+                continue
+            if msg["op"] == "stats":
                 counters[k] = {key: v for key, v in msg.items() if key != "op"}
         per = []
         for r in reqs:
