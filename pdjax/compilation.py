@@ -11,7 +11,8 @@ its ``jax_compilation_cache_dir`` is set. Opt out with ``PDJAX_NO_COMPILATION_CA
 imported the default goes through the environment variable (jax reads it when it starts), so
 child processes (a pipeline's rank processes) share it. jax writes only programs that took
 over ``jax_persistent_cache_min_compile_time_secs`` (1 s) to compile; on XLA:CPU a program
-with a sort (the MoE routing) cannot be serialized and is compiled every run.
+holding the ``TopK`` call ``jax.lax.top_k`` becomes cannot be serialized and is compiled
+every run (pdjax's MoE routing uses the sort-free :func:`pdjax.model.topk.top_k`).
 
 The progress line: :func:`announce` prints ``pdjax: compiling <what>...`` to stderr once a
 compile has taken ``progress_after_s`` seconds, and its duration when it ends; nothing for a

@@ -41,6 +41,7 @@ from pdjax.cluster.supervisor import Supervisor, announce_ready, device_environ
 from pdjax.cluster.transfer import LOOPBACK, ArrayReceiver, ArraySender, Control, listen, start_transfer_server
 from pdjax.disagg.afd_ffn import ROUTED, FFNPool, incoming, leaf_bytes, outgoing
 from pdjax.disagg.link import bit_sums
+from pdjax.disagg.prefill_server import ready_info
 
 A2F_TREE = jax.tree.structure(((0, 0, 0, 0), 0))        # sealed (normed x, weights, ids, valid), sums
 F2A_TREE = jax.tree.structure((0, 0))                   # sealed routed output, sums
@@ -156,7 +157,6 @@ class FFNServer:
         self.calls = 0
 
     def serve_forever(self) -> None:
-        from pdjax.disagg.prefill_server import ready_info
         announce_ready(ready_info("ffn", self.listener, self.sender.address))
         while True:
             sock, _ = self.listener.accept()
