@@ -63,6 +63,8 @@ print(matplotlib.get_backend(), "matplotlib.pyplot" in sys.modules)
     ("pdjax.analysis.microbatches_for_bubble", "pdjax.schedules.formulas.min_microbatches_1f1b"),
     ("pdjax.analysis.calibrate", "pdjax.timing.calibrate"),
     ("pdjax.analysis.afd", "pdjax.analysis.afd_bounds"),
+    ("pdjax.analysis.fit_prefill_cost", "pdjax.analysis.costmodel_fit.fit_prefill_cost"),
+    ("pdjax.analysis.fit_decode_cost", "pdjax.analysis.costmodel_fit.fit_decode_cost"),
     ("pdjax.sim.percentiles", "pdjax.sim.metrics.percentiles"),
     ("pdjax.sim.search", "pdjax.sim.sweeps"),
 ])

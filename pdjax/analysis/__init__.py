@@ -9,7 +9,15 @@
 Modules: ``units`` (GB vs GiB), ``hardware`` (presets, registry), ``pdjax.param_counts``
 (total and active parameter counts), ``roofline`` (intensity, machine balance), ``kv`` (KV bytes,
 C_max, handoff), ``moe_bounds`` (k/E bound, EP weight bytes), ``afd_bounds`` (ping-pong bound, speedup),
-``bubbles`` (1F1B), ``published`` (deployment facts used as inputs), ``report``.
+``bubbles`` (1F1B), ``published`` (deployment facts used as inputs), ``report``; the
+deployment predictor: ``deploy`` (:class:`Deployment`, :func:`predict`, and the two factors
+DeepSeek's inference profiles calibrate), built from
+``calibration`` (DeepSeek's published kernel measurements), ``kernels`` (kernel times on
+any hardware), ``routing`` (where routed tokens go), ``opmodel`` (a layer's ops),
+``overlap`` / ``streams`` (micro-batches on a compute and a comm stream), ``memory_fit``
+(the saturation batch), ``profile``
+(:func:`read_profile`, PyTorch-profiler traces), ``train_pair`` (a DualPipe chunk pair);
+``validation_set`` holds the independent measurements it is held against.
 See docs/analysis.md for the formulas and the assumptions behind the reference figures
 (the worked results of the source articles, recomputed in tests/analysis).
 
@@ -20,22 +28,23 @@ module (``pdjax.analysis.kv.kv_elements_per_token``, ``pdjax.analysis.units.GiB`
 from pdjax.deprecation import package_getattr
 from pdjax.analysis.afd_bounds import afd_min_microbatches, afd_speedup
 from pdjax.analysis.costmodel import Efficiency, RooflineCostModel
-from pdjax.analysis.costmodel_fit import fit_decode_cost, fit_prefill_cost
+from pdjax.analysis.deploy import Deployment, predict
 from pdjax.analysis.hardware import HardwareSpec, hardware, register_hardware
 from pdjax.analysis.kv import (concurrency_bound, free_memory_bytes, handoff_to_prefill_ratio, kv_bytes_per_token,
                                kv_handoff_time)
 from pdjax.analysis.moe_bounds import decode_batch_for_context, ep_weight_bytes_per_gpu
+from pdjax.analysis.profile import read_profile
 from pdjax.analysis.report import report
 from pdjax.analysis.roofline import attention_intensity, machine_balance, weight_intensity
 from pdjax.param_counts import param_counts
 from pdjax.schedules.formulas import bubble_ratio_1f1b, min_microbatches_1f1b
 
 __all__ = [
-    "Efficiency", "HardwareSpec", "RooflineCostModel", "afd_min_microbatches", "afd_speedup", "attention_intensity",
-    "bubble_ratio_1f1b", "concurrency_bound", "decode_batch_for_context",
-    "ep_weight_bytes_per_gpu", "fit_decode_cost", "fit_prefill_cost", "free_memory_bytes",
-    "handoff_to_prefill_ratio", "hardware", "kv_bytes_per_token", "kv_handoff_time", "machine_balance",
-    "min_microbatches_1f1b", "param_counts", "register_hardware", "report", "weight_intensity",
+    "Deployment", "Efficiency", "HardwareSpec", "RooflineCostModel", "afd_min_microbatches", "afd_speedup",
+    "attention_intensity", "bubble_ratio_1f1b", "concurrency_bound", "decode_batch_for_context",
+    "ep_weight_bytes_per_gpu", "free_memory_bytes", "handoff_to_prefill_ratio", "hardware", "kv_bytes_per_token",
+    "kv_handoff_time", "machine_balance", "min_microbatches_1f1b", "param_counts", "predict", "read_profile",
+    "register_hardware", "report", "weight_intensity",
 ]
 
 # ---- names that left the face: importable from their module; these aliases go next release ----
@@ -44,7 +53,7 @@ _MOVED = {
     "bubble_table": "bubbles",
     **dict.fromkeys(("OpCost", "expected_distinct_experts"), "costmodel"),
     **dict.fromkeys(("CalibrationResult", "DecodeCalibrationResult"), "costmodel_calibrate"),
-    **dict.fromkeys(("DecodeCostFit", "PrefillCostFit"), "costmodel_fit"),
+    **dict.fromkeys(("DecodeCostFit", "PrefillCostFit", "fit_decode_cost", "fit_prefill_cost"), "costmodel_fit"),
     **dict.fromkeys(("FIGURES", "PRESET_NAMES", "dtype_bytes", "hardware_names", "unregister_hardware"), "hardware"),
     **dict.fromkeys(("ATTENTION_KINDS", "concurrency_bound_both_units", "kv_bytes_per_sequence",
                      "kv_elements_per_token", "link_bw_for_handoff_ratio", "prefill_compute_time"), "kv"),
@@ -64,8 +73,9 @@ _MOVED = {
 _ELSEWHERE = {"ParamCounts": "pdjax.param_counts",
               "microbatches_for_bubble": ("pdjax.schedules.formulas", "min_microbatches_1f1b"),
               **dict.fromkeys(("calibrate", "calibrate_decode", "measure_decode", "measure_prefill"), "pdjax.timing")}
-_SUBMODULES = ("afd_bounds", "bubbles", "costmodel", "costmodel_calibrate", "costmodel_fit", "kv", "moe_bounds", "published",
-               "roofline", "units")
+_SUBMODULES = ("afd_bounds", "bubbles", "calibration", "costmodel", "costmodel_calibrate", "costmodel_fit", "deploy",
+               "kernels", "kv", "memory_fit", "moe_bounds", "opmodel", "overlap", "profile", "profile_plot",
+               "published", "roofline", "routing", "streams", "train_pair", "units", "validation_set")
 _RENAMED = {"afd": "afd_bounds", "moe": "moe_bounds"}   # module names that said less than they hold
 
 __getattr__ = package_getattr(__name__, {**{name: f"{__name__}.{module}" for name, module in _MOVED.items()},

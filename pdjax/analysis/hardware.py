@@ -9,7 +9,9 @@ A :class:`HardwareSpec` holds, per accelerator (one GPU/NPU package):
 * ``scale_up_bw``: per-accelerator, per-direction bandwidth of the scale-up fabric
   (NVLink, Infinity Fabric, Huawei UB), bytes/s;
 * ``scale_out_bw``: per-accelerator, per-direction bandwidth of the scale-out NIC
-  (InfiniBand / RoCE), bytes/s.
+  (InfiniBand / RoCE), bytes/s;
+* ``scale_up_domain``: accelerators one scale-up fabric joins (8 for an HGX board, 72 for
+  a GB200 NVL72 rack): an expert all-to-all within it never crosses the NIC.
 
 A figure the vendor does not publish (e.g. FP8 on A100) is ``None``; any computation
 that needs it raises ValueError naming the hardware and the field. Every figure carries a
@@ -25,7 +27,8 @@ from pdjax.arguments import check_positive
 from pdjax.analysis.units import GB, TB
 
 #: The numeric fields of a HardwareSpec (each may carry a source note).
-FIGURES = ("peak_bf16_flops", "peak_fp8_flops", "hbm_bytes", "hbm_bw", "scale_up_bw", "scale_out_bw")
+FIGURES = ("peak_bf16_flops", "peak_fp8_flops", "hbm_bytes", "hbm_bw", "scale_up_bw", "scale_out_bw",
+           "scale_up_domain")
 DTYPES = {"bf16": ("peak_bf16_flops", 2), "fp8": ("peak_fp8_flops", 1)}
 _DTYPE_ALIASES = {"bfloat16": "bf16", "fp16": "bf16", "float16": "bf16", "float8": "fp8",
                   "fp8_e4m3": "fp8", "e4m3": "fp8"}
@@ -60,6 +63,7 @@ class HardwareSpec:
     scale_out_bw: Optional[float] = None
     description: str = ""
     sources: tuple = ()
+    scale_up_domain: Optional[int] = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -106,7 +110,7 @@ class HardwareSpec:
 
 HardwareLike = Union[str, HardwareSpec]
 _REGISTRY: dict[str, HardwareSpec] = {}
-_ALIASES = {"h100": "h100-sxm", "h800-sxm": "h800", "h200-sxm": "h200", "a100-sxm": "a100",
+_ALIASES = {"h100": "h100-sxm", "h800-sxm": "h800", "h200-sxm": "h200", "a100-sxm": "a100", "b200-sxm": "b200",
             "910c": "ascend-910c", "gb200-nvl72": "gb200"}
 
 
@@ -157,6 +161,8 @@ def hardware_names() -> list[str]:
 _NV_H100 = "NVIDIA H100 Tensor Core GPU datasheet, SXM column"
 _NV_H200 = "NVIDIA H200 Tensor Core GPU datasheet, SXM column"
 _NV_A100 = "NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM column"
+_NV_H20 = "NVIDIA HGX H20 product specifications as published by NVIDIA partners (no public NVIDIA datasheet)"
+_NV_B200 = "NVIDIA DGX B200 datasheet (8 GPUs)"
 _NV_GB200 = "NVIDIA GB200 NVL72 datasheet, per-GPU share of the 72-GPU rack figures"
 _AMD = "AMD Instinct MI300X data sheet / CDNA3 white paper"
 _DSV3 = "DeepSeek-V3 technical report (arXiv 2412.19437) sec. 3.1/3.2.2"
@@ -171,7 +177,8 @@ _PRESETS = [
          ("hbm_bytes", f"{_NV_H100}: 80GB HBM3"),
          ("hbm_bw", f"{_NV_H100}: 3.35TB/s"),
          ("scale_up_bw", f"{_NV_H100}: NVLink 900GB/s (bidirectional) -> 450 GB/s per direction"),
-         ("scale_out_bw", "DGX H100: one 400 Gb/s ConnectX-7 NIC per GPU -> 50 GB/s"))),
+         ("scale_out_bw", "DGX H100: one 400 Gb/s ConnectX-7 NIC per GPU -> 50 GB/s"),
+         ("scale_up_domain", "DGX/HGX H100: 8 GPUs joined by NVSwitch")), scale_up_domain=8),
     HardwareSpec(
         "h800", 989e12, 1979e12, 80 * GB, 3.35 * TB, 160 * GB, 50 * GB,
         "NVIDIA H800 SXM5 80GB (export Hopper: H100 compute, cut NVLink); DeepSeek's cluster",
@@ -182,7 +189,8 @@ _PRESETS = [
          ("hbm_bw", "NVIDIA H800 datasheet: 3.35TB/s"),
          ("scale_up_bw", f"{_DSV3}: 'NVLink offers a bandwidth of 160 GB/s' (achievable; datasheet "
                          "NVLink 400GB/s bidirectional = 200 GB/s per direction)"),
-         ("scale_out_bw", f"{_DSV3}: IB 50 GB/s per GPU (400 Gb/s ConnectX-7)"))),
+         ("scale_out_bw", f"{_DSV3}: IB 50 GB/s per GPU (400 Gb/s ConnectX-7)"),
+         ("scale_up_domain", "HGX H800: 8 GPUs per NVLink domain (DeepSeek-V3 report sec. 3.1: 8 GPUs per node)")), scale_up_domain=8),
     HardwareSpec(
         "h200", 989e12, 1979e12, 141 * GB, 4.8 * TB, 450 * GB, 50 * GB,
         "NVIDIA H200 SXM 141GB (Hopper, HBM3e)",
@@ -191,7 +199,28 @@ _PRESETS = [
          ("hbm_bytes", f"{_NV_H200}: 141GB HBM3e"),
          ("hbm_bw", f"{_NV_H200}: 4.8TB/s"),
          ("scale_up_bw", f"{_NV_H200}: NVLink 900GB/s (bidirectional) -> 450 GB/s per direction"),
-         ("scale_out_bw", "HGX H200 reference: one 400 Gb/s NIC per GPU -> 50 GB/s"))),
+         ("scale_out_bw", "HGX H200 reference: one 400 Gb/s NIC per GPU -> 50 GB/s"),
+         ("scale_up_domain", "HGX H200: 8 GPUs joined by NVSwitch")), scale_up_domain=8),
+    HardwareSpec(
+        "h20", 148e12, 296e12, 96 * GB, 4.0 * TB, 450 * GB, 50 * GB,
+        "NVIDIA H20 96GB (export Hopper: cut compute, full NVLink)",
+        (("peak_bf16_flops", f"{_NV_H20}: BF16 148 TFLOPS dense"),
+         ("peak_fp8_flops", f"{_NV_H20}: FP8 296 TFLOPS dense"),
+         ("hbm_bytes", f"{_NV_H20}: 96 GB HBM3"),
+         ("hbm_bw", f"{_NV_H20}: 4.0 TB/s"),
+         ("scale_up_bw", f"{_NV_H20}: NVLink 900 GB/s (bidirectional) -> 450 GB/s per direction"),
+         ("scale_out_bw", "HGX H20 reference: one 400 Gb/s NIC per GPU -> 50 GB/s"),
+         ("scale_up_domain", "HGX H20: 8 GPUs joined by NVSwitch")), scale_up_domain=8),
+    HardwareSpec(
+        "b200", 2.25e15, 4.5e15, 180 * GB, 8 * TB, 900 * GB, 50 * GB,
+        "NVIDIA B200 (Blackwell) in an 8-GPU HGX/DGX B200",
+        (("peak_bf16_flops", f"{_NV_B200}: FP16/BF16 36 PFLOPS with sparsity / 8 GPUs / 2 = 2.25 PFLOPS dense"),
+         ("peak_fp8_flops", f"{_NV_B200}: FP8 72 PFLOPS with sparsity / 8 GPUs / 2 = 4.5 PFLOPS dense"),
+         ("hbm_bytes", f"{_NV_B200}: 1,440 GB HBM3e / 8 GPUs = 180 GB"),
+         ("hbm_bw", f"{_NV_B200}: 64 TB/s / 8 GPUs = 8 TB/s"),
+         ("scale_up_bw", f"{_NV_B200}: NVLink 5 1.8 TB/s per GPU (bidirectional) -> 900 GB/s per direction"),
+         ("scale_out_bw", f"{_NV_B200}: 8 x 400 Gb/s ConnectX-7 -> 50 GB/s per GPU"),
+         ("scale_up_domain", f"{_NV_B200}: 8 GPUs joined by NVSwitch")), scale_up_domain=8),
     HardwareSpec(
         "a100", 312e12, None, 80 * GB, 2039 * GB, 300 * GB, 25 * GB,
         "NVIDIA A100 SXM4 80GB (Ampere); no FP8 tensor cores",
@@ -201,7 +230,8 @@ _PRESETS = [
          ("hbm_bw", f"{_NV_A100}: 2,039GB/s (MegaScale-Infer and the source articles round it "
                     "to 2 TB/s)"),
          ("scale_up_bw", f"{_NV_A100}: NVLink 600GB/s (bidirectional) -> 300 GB/s per direction"),
-         ("scale_out_bw", "DGX A100: one 200 Gb/s HDR InfiniBand NIC per GPU -> 25 GB/s"))),
+         ("scale_out_bw", "DGX A100: one 200 Gb/s HDR InfiniBand NIC per GPU -> 25 GB/s"),
+         ("scale_up_domain", "DGX A100: 8 GPUs joined by NVSwitch")), scale_up_domain=8),
     HardwareSpec(
         "mi300x", 1307.4e12, 2614.9e12, 192 * GB, 5.3 * TB, 448 * GB, 50 * GB,
         "AMD Instinct MI300X 192GB (CDNA3)",
@@ -211,7 +241,8 @@ _PRESETS = [
          ("hbm_bw", f"{_AMD}: 5.3 TB/s peak"),
          ("scale_up_bw", f"{_AMD}: 7 Infinity Fabric links x 64 GB/s per direction = 448 GB/s "
                          "(896 GB/s aggregate bidirectional)"),
-         ("scale_out_bw", "typical MI300X platform: one 400 Gb/s NIC per GPU -> 50 GB/s"))),
+         ("scale_out_bw", "typical MI300X platform: one 400 Gb/s NIC per GPU -> 50 GB/s"),
+         ("scale_up_domain", "MI300X platform: 8 GPUs fully connected by Infinity Fabric")), scale_up_domain=8),
     HardwareSpec(
         "gb200", 2.5e15, 5e15, 186 * GB, 8 * TB, 900 * GB, 50 * GB,
         "NVIDIA GB200 NVL72, one Blackwell GPU of the rack",
@@ -221,7 +252,8 @@ _PRESETS = [
          ("hbm_bw", f"{_NV_GB200}: 576 TB/s / 72 = 8 TB/s"),
          ("scale_up_bw", f"{_NV_GB200}: NVLink 5 1.8 TB/s per GPU (bidirectional) -> 900 GB/s "
                          "per direction"),
-         ("scale_out_bw", "GB200 NVL72 reference: one 400 Gb/s ConnectX-7 NIC per GPU -> 50 GB/s"))),
+         ("scale_out_bw", "GB200 NVL72 reference: one 400 Gb/s ConnectX-7 NIC per GPU -> 50 GB/s"),
+         ("scale_up_domain", "GB200 NVL72: one NVLink domain of 72 GPUs (18 compute trays of 4)")), scale_up_domain=72),
     HardwareSpec(
         "ascend-910c", 752e12, None, 128 * GB, 3.2 * TB, 392 * GB, 50 * GB,
         "Huawei Ascend 910C (two 910B-class dies), as deployed in CloudMatrix384; no FP8",
@@ -230,10 +262,11 @@ _PRESETS = [
          ("hbm_bytes", f"{_CM384}: 128 GB on-package HBM per 910C"),
          ("hbm_bw", f"{_CM384}: 3.2 TB/s per 910C (2 x 1.6 TB/s)"),
          ("scale_up_bw", f"{_CM384}: UB plane 392 GB/s unidirectional per NPU"),
-         ("scale_out_bw", f"{_CM384}: RDMA plane up to 400 Gb/s unidirectional per NPU -> 50 GB/s"))),
+         ("scale_out_bw", f"{_CM384}: RDMA plane up to 400 Gb/s unidirectional per NPU -> 50 GB/s"),
+         ("scale_up_domain", "CloudMatrix384 (arXiv 2506.12708): 384 NPUs on one UB plane")), scale_up_domain=384),
 ]
 
 for _spec in _PRESETS:
     register_hardware(_spec)
-#: Names of the built-in hardware presets (h100-sxm, h800, h200, a100, mi300x, gb200, ascend-910c).
+#: Names of the built-in hardware presets (h100-sxm, h800, h200, h20, b200, a100, mi300x, gb200, ascend-910c).
 PRESET_NAMES = tuple(_key(s.name) for s in _PRESETS)

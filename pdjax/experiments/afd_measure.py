@@ -99,8 +99,8 @@ class MeasuredStageCost:
         return self.t_ffn * self.L * self.N
 
 
-def predict(stages: dict, microbatches: int, slots: int, num_attention: int, num_ffn: int,
-            row_bytes: float) -> dict:
+def predict_from_stages(stages: dict, microbatches: int, slots: int, num_attention: int, num_ffn: int,
+                        row_bytes: float) -> dict:
     """The models' step times and the analysis conditions from measured ``stages``
     (:func:`stage_medians`) of an engine with ``slots`` decode slots over ``num_attention``
     ranks and ``num_ffn`` FFN ranks; ``row_bytes``: A2F bytes of one row per layer."""
@@ -202,7 +202,7 @@ def measure_afd(params, cfg, *, attention: int = 4, ffn: int = 4, microbatches=(
                "step_measured_ms": 1e3 * decode_step_s(untraced, skip),
                "step_traced_ms": 1e3 * decode_step_s(eng.stats, skip),
                "host_issue_ms": 1e3 * issue_window_s(afd["timeline"], skip),
-               **predict(stages, m, slots, attention, ffn, row_bytes)}
+               **predict_from_stages(stages, m, slots, attention, ffn, row_bytes)}
         for name in ("issue_order", "overlap"):
             row[f"err_{name}_pct"] = 100 * (row[f"step_{name}_ms"] / row["step_measured_ms"] - 1)
         if base_ms is not None:

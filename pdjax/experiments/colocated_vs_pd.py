@@ -16,7 +16,7 @@ from pdjax.sim.sweeps import _pick, rate_runner, workload_at_rate
 
 
 @dataclasses.dataclass(frozen=True)
-class Deployment:
+class SplitKnobs:
     instances: int = knob(8, minimum=2)
     prefill: int = knob(4, minimum=1)
     colocated_token_budget: int = knob(2048, minimum=1)    # Sarathi-style tokens per colocated step
@@ -32,7 +32,7 @@ class RateSweep:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config(serving.Serving):
-    deployment: Deployment = table(Deployment)
+    deployment: SplitKnobs = table(SplitKnobs)
     sweep: RateSweep = table(RateSweep)
     search: serving.Search = table(serving.Search)
     pd: dict = knob({})

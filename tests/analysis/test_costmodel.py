@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 import pdjax
 from pdjax import analysis as A
 from pdjax import timing
+from pdjax.analysis.costmodel_fit import fit_decode_cost, fit_prefill_cost
 from pdjax.analysis.units import GB
 
 
@@ -213,18 +214,18 @@ def synthetic(a, b, g, d=0.0, shapes=GRID):
 
 def test_fit_recovers_noise_free_coefficients():
     a, b, g = 3.1e-9, 7.7e-10, 2.4e-5
-    fit = A.fit_prefill_cost(synthetic(a, b, g))
+    fit = fit_prefill_cost(synthetic(a, b, g))
     assert fit.a == pytest.approx(a, rel=1e-9) and fit.b == pytest.approx(b, rel=1e-9)
     assert fit.g == pytest.approx(g, rel=1e-9) and fit.d == 0.0
     assert fit.r2 == pytest.approx(1.0, abs=1e-12) and fit.n == len(GRID)
     assert fit(100, 50) == pytest.approx(a * 1e4 + b * 5000 + g * 100, rel=1e-9)
-    with_d = A.fit_prefill_cost(synthetic(a, b, g, 0.02), intercept=True)
+    with_d = fit_prefill_cost(synthetic(a, b, g, 0.02), intercept=True)
     assert (with_d.a, with_d.b, with_d.g, with_d.d) == pytest.approx((a, b, g, 0.02), rel=1e-9)
 
 
 def test_fit_minimum_exact_samples():
     samples = synthetic(2e-9, 1e-9, 1e-5, shapes=[(64, 0), (128, 512), (512, 128)])
-    fit = A.fit_prefill_cost(samples)
+    fit = fit_prefill_cost(samples)
     assert (fit.a, fit.b, fit.g) == pytest.approx((2e-9, 1e-9, 1e-5), rel=1e-9)
 
 
@@ -235,7 +236,7 @@ def test_fit_is_non_negative():
     X = np.array([[q * q, q * c, q] for q, c, _ in samples], float)
     free, *_ = np.linalg.lstsq(X, np.array([s[2] for s in samples]), rcond=None)
     assert free.min() < 0
-    fit = A.fit_prefill_cost(samples)
+    fit = fit_prefill_cost(samples)
     assert min(fit.a, fit.b, fit.g) >= 0 and fit.r2 < 1
     qs = np.arange(1, 2000)
     assert np.all(np.diff(fit(qs, 100)) >= 0)
@@ -245,7 +246,7 @@ def test_fit_with_noise_has_high_r2():
     rng = np.random.default_rng(0)
     clean = synthetic(3e-9, 8e-10, 2e-5)
     noisy = [(q, c, t * (1 + 0.02 * rng.standard_normal())) for q, c, t in clean]
-    fit = A.fit_prefill_cost(noisy)
+    fit = fit_prefill_cost(noisy)
     assert fit.r2 > 0.99
     errors = [abs(fit(q, c) - t) / t for q, c, t in clean]
     assert np.median(errors) < 0.05
@@ -263,7 +264,7 @@ def test_fit_with_noise_has_high_r2():
 ])
 def test_fit_bad_input(samples, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        A.fit_prefill_cost(samples, **kwargs)
+        fit_prefill_cost(samples, **kwargs)
 
 
 # ---- max_chunk: the time-budget chunk size -------------------------------------------------
@@ -332,7 +333,7 @@ def test_fit_of_roofline_model_matches_it(v3_h800, v3):
     (At short q the memory-bound MoE weight read is a constant the three-term form lacks.)"""
     shapes = [(q, c) for q in (8192, 16384, 32768) for c in (0, 16384, 65536)]
     samples = [(q, c, v3_h800.prefill_step_time([(q, c)])) for q, c in shapes]
-    fit = A.fit_prefill_cost(samples)
+    fit = fit_prefill_cost(samples)
     assert fit.r2 > 0.999
     pair_flops = (A.roofline.attention_flops_per_token(v3, 1) + 2 * v3.num_attention_heads
                   * v3.qk_rope_head_dim) * v3.num_hidden_layers
@@ -391,7 +392,7 @@ def synthetic_decode(d0, d1, d2, shapes=DECODE_GRID):
 
 def test_fit_decode_recovers_noise_free_coefficients():
     d0, d1, d2 = 0.021, 3.7e-4, 1.3e-7
-    fit = A.fit_decode_cost(synthetic_decode(d0, d1, d2))
+    fit = fit_decode_cost(synthetic_decode(d0, d1, d2))
     assert (fit.d0, fit.d1, fit.d2) == pytest.approx((d0, d1, d2), rel=1e-9)
     assert fit.r2 == pytest.approx(1.0, abs=1e-12) and fit.n == len(DECODE_GRID)
     assert fit(8, 8000) == pytest.approx(d0 + 8 * d1 + 8000 * d2, rel=1e-12)
@@ -401,19 +402,19 @@ def test_fit_decode_recovers_noise_free_coefficients():
     with pytest.raises(dataclasses.FrozenInstanceError):
         fit.d0 = 1.0
     # exactly three independent samples determine it
-    three = A.fit_decode_cost(synthetic_decode(d0, d1, d2, [(1, 64), (8, 64), (8, 8192)]))
+    three = fit_decode_cost(synthetic_decode(d0, d1, d2, [(1, 64), (8, 64), (8, 8192)]))
     assert (three.d0, three.d1, three.d2) == pytest.approx((d0, d1, d2), rel=1e-9)
 
 
 def test_fit_decode_is_non_negative_and_tolerates_noise():
     # a time that falls with B: NNLS pins d1 at 0 instead of going negative
     falling = [(1, 100, 0.05), (2, 100, 0.04), (4, 100, 0.03), (4, 4000, 0.04)]
-    fit = A.fit_decode_cost(falling)
+    fit = fit_decode_cost(falling)
     assert min(fit.d0, fit.d1, fit.d2) >= 0 and fit.d1 == 0 and fit.r2 < 1
     rng = np.random.default_rng(1)
     clean = synthetic_decode(0.02, 1e-3, 1.3e-6)
     noisy = [(B, K, t * (1 + 0.02 * rng.standard_normal())) for B, K, t in clean]
-    fit = A.fit_decode_cost(noisy)
+    fit = fit_decode_cost(noisy)
     assert fit.r2 > 0.99
     assert np.median([abs(fit(B, K) - t) / t for B, K, t in clean]) < 0.05
     errs = A.costmodel_fit.relative_errors(fit, clean)
@@ -431,7 +432,7 @@ def test_fit_decode_is_non_negative_and_tolerates_noise():
 ])
 def test_fit_decode_bad_input(samples, match):
     with pytest.raises(ValueError, match=match):
-        A.fit_decode_cost(samples)
+        fit_decode_cost(samples)
 
 
 def test_fit_decode_handoff_terms():
@@ -440,15 +441,15 @@ def test_fit_decode_handoff_terms():
     d0, d1, d2, dj, dl = 0.002, 2e-5, 1e-8, 1.5e-3, 4e-4
     rows = [(B, K, j, lv, d0 + d1 * B + d2 * K + dj * j + dl * lv)
             for B, K in DECODE_GRID for j, lv in ((0, 0), (1, 0), (0, 2), (2, 1))]
-    fit = A.fit_decode_cost(rows, handoff=True)
+    fit = fit_decode_cost(rows, handoff=True)
     assert (fit.d0, fit.d1, fit.d2, fit.dj, fit.dl) == pytest.approx((d0, d1, d2, dj, dl), rel=1e-9)
     assert fit.overhead(2, 1) == pytest.approx(2 * dj + dl) and "joined" in str(fit)
-    plain = A.fit_decode_cost(synthetic_decode(d0, d1, d2))
+    plain = fit_decode_cost(synthetic_decode(d0, d1, d2))
     assert plain.dj == plain.dl == 0 and plain.overhead(3, 3) == 0 and "joined" not in str(plain)
     with pytest.raises(ValueError, match="joined, left"):
-        A.fit_decode_cost(synthetic_decode(d0, d1, d2), handoff=True)
+        fit_decode_cost(synthetic_decode(d0, d1, d2), handoff=True)
     with pytest.raises(ValueError, match="at least 5"):
-        A.fit_decode_cost(rows[:4], handoff=True)
+        fit_decode_cost(rows[:4], handoff=True)
 
 
 # ---- calibration against the real decode step ----------------------------------------------

@@ -50,7 +50,7 @@ def test_issue_order_model_by_hand():
 def test_overlap_model_is_the_simulators_cycle_on_the_measured_stages():
     stages = {**STAGES, "ffn": {1: 2.0, 2: 2.0}, "f2a": {1: 1.5, 2: 1.5}}      # T_c = (0.5 + 1.5) / 2 = 1
     for m in (1, 2, 3):
-        p = afd_measure.predict(stages, m, slots=12 * m, num_attention=4, num_ffn=4, row_bytes=128.0)
+        p = afd_measure.predict_from_stages(stages, m, slots=12 * m, num_attention=4, num_ffn=4, row_bytes=128.0)
         assert p["step_overlap_ms"] == pytest.approx(1e3 * (2 * afd_layer_cycle(1.0, 2.0, 1.0, m) + m * 0.25))
         assert p["t_comm_ms"] == pytest.approx(1e3) and p["pingpong_min_m"] == pytest.approx(3.0)
         assert p["pingpong_hides"] == (m >= 3) and p["dbo_hides_ffn"] is False
@@ -69,7 +69,7 @@ def test_simulated_speedup_is_the_throughput_ratio_per_accelerator():
 
 
 @pytest.mark.parametrize("override, message", [
-    ('hardware.attention="h20"', "hardware.attention: unknown hardware"),
+    ('hardware.attention="h30"', "hardware.attention: unknown hardware"),
     ("measured.new_tokens=20", r"measured.new_tokens: out of range, got 20 \(at least measured.slots \+ 3\)"),
     ("measured.microbatches=[5]", "measured.microbatches: out of range"),
     ('measured.preset="huge"', "measured.preset: must be one of"),

@@ -1,0 +1,147 @@
+"""The ops of one DeepSeek-style layer on one GPU, timed by :class:`~pdjax.analysis.kernels.KernelModel`:
+what a micro-batch of a prefill, a decode or a training chunk runs, per op class.
+
+One layer of one micro-batch splits into the four parts DeepSeek overlaps (attention,
+dispatch, MLP, combine). The attention part holds the MLA projections (GEMMs), the
+attention core and the norms, RoPE, casts and routing ("other"); the MLP part the shared
+expert and the routed experts (GEMMs) and their casts and swiglu ("other"); dispatch and
+combine are the expert all-to-all. GEMM shapes are DeepSeek-V3's (the shapes DeepGEMM
+measured), taken from the config:
+
+    q_a + kv_a   N = q_lora + kv_lora + rope        K = hidden
+    q_b          N = heads (nope + rope)            K = q_lora
+    kv_b         N = heads (nope + v)               K = kv_lora   (prefill: expands every latent)
+    o            N = hidden                         K = heads v
+    absorbed     heads x (N = kv_lora, K = nope) and heads x (N = v, K = kv_lora), BF16 (decode)
+    router       N = experts                        K = hidden, BF16
+    experts      gate-up N = 2 inter, K = hidden;   down N = hidden, K = inter
+
+Routed experts run grouped: the GPU's expert slots are the groups, each holding
+rows x imbalance / slots rows (rows = tokens x top-k on average; the busiest GPU, which
+every GPU waits for at the all-to-all, holds ``imbalance`` times the mean).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+from pdjax.analysis.kernels import KernelModel, causal_attention_flops
+from pdjax.analysis.routing import RouteStats
+from pdjax.config import ModelConfig
+
+FP8_TOKEN_BYTES = 1 + 4 / 128       # an FP8 element plus its 1x128 block scale (DeepEP's fp8 factor)
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """Seconds of one part of a layer for one micro-batch, per op class."""
+
+    gemm: float = 0.0
+    attention: float = 0.0
+    other: float = 0.0
+    comm: float = 0.0
+
+    @property
+    def compute(self) -> float:
+        return self.gemm + self.attention + self.other
+
+    def __add__(self, o: "Part") -> "Part":
+        return Part(self.gemm + o.gemm, self.attention + o.attention, self.other + o.other, self.comm + o.comm)
+
+    def scaled(self, f: float) -> "Part":
+        return Part(self.gemm * f, self.attention * f, self.other * f, self.comm * f)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerParts:
+    """The parts of one layer for one micro-batch: ``attn``, ``shared`` (the shared expert,
+    which runs before the dispatched tokens arrive), ``experts`` (routed experts and the
+    MLP's other kernels), ``dispatch`` and ``combine`` (``comm`` seconds), or ``dense``
+    (the dense MLP of the first layers, no all-to-all)."""
+
+    attn: Part
+    shared: Part = Part()
+    experts: Part = Part()
+    dispatch: Part = Part()
+    combine: Part = Part()
+    dense: Part = Part()
+
+
+def attention_part(km: KernelModel, cfg: ModelConfig, *, chunks: Optional[Sequence] = None,
+                   decode: Optional[Sequence] = None, weight_dtype: str = "fp8", moe: bool = True,
+                   training: bool = False) -> Part:
+    """The attention part of one layer. Prefill: ``chunks`` [(q new, c cached)], the naive
+    MLA form (every latent expanded by kv_b, FlashAttention over them). Decode: ``decode``
+    [(q tokens, kv length)] per request, the absorbed form (FlashMLA over the latent cache)."""
+    H, C, R = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    nope, v = cfg.qk_nope_head_dim, cfg.v_head_dim
+    reqs = chunks if chunks is not None else decode
+    T = sum(q for q, _ in reqs)
+    q_rank = cfg.q_lora_rank or 0
+    g = km.gemm(T, q_rank + C + R, cfg.hidden_size, dtype=weight_dtype)
+    if q_rank:
+        g += km.gemm(T, H * (nope + R), q_rank, dtype=weight_dtype)
+    g += km.gemm(T, cfg.hidden_size, H * v, dtype=weight_dtype)
+    if moe:
+        g += km.gemm(T, cfg.n_routed_experts, cfg.hidden_size, dtype="bf16")
+    if chunks is not None:
+        g += km.gemm(sum(q + c for q, c in chunks), H * (nope + v), C, dtype=weight_dtype)
+        core = km.attention_prefill(causal_attention_flops(cfg, chunks))
+    else:
+        g += km.gemm(T, C, nope, groups=H, dtype="bf16") + km.gemm(T, v, C, groups=H, dtype="bf16")
+        flops = sum(2.0 * H * (2 * C + R) * q * (kv + q) for q, kv in decode)
+        kv_bytes = sum(kv + q for q, kv in decode) * (C + R) * 2
+        core = km.attention_decode(flops, kv_bytes)
+    return Part(gemm=g, attention=core, other=km.other(T, training) / 2)
+
+
+def moe_parts(km: KernelModel, cfg: ModelConfig, tokens: int, *, ep: int, slots: int, imbalance: float,
+              weight_dtype: str = "fp8", training: bool = False) -> tuple[Part, Part]:
+    """(shared expert, routed experts) of one MoE layer for ``tokens`` tokens on this GPU."""
+    inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
+    local = slots // ep
+    rows = tokens * cfg.num_experts_per_tok * imbalance / local
+    routed = (km.gemm(rows, 2 * inter, hidden, groups=local, grouped=True, dtype=weight_dtype)
+              + km.gemm(rows, hidden, inter, groups=local, grouped=True, dtype=weight_dtype))
+    shared = 0.0
+    if cfg.n_shared_experts:
+        si = inter * cfg.n_shared_experts
+        shared = km.gemm(tokens, 2 * si, hidden, dtype=weight_dtype) + km.gemm(tokens, hidden, si, dtype=weight_dtype)
+    return Part(gemm=shared), Part(gemm=routed, other=km.other(tokens, training) / 2)
+
+
+def dense_part(km: KernelModel, cfg: ModelConfig, tokens: int, weight_dtype: str = "fp8") -> Part:
+    """The dense MLP of one of the first ``first_k_dense_replace`` layers."""
+    inter, hidden = cfg.intermediate_size, cfg.hidden_size
+    g = km.gemm(tokens, 2 * inter, hidden, dtype=weight_dtype) + km.gemm(tokens, hidden, inter, dtype=weight_dtype)
+    return Part(gemm=g, other=km.other(tokens) / 2)
+
+
+def a2a_parts(km: KernelModel, cfg: ModelConfig, tokens: int, *, ep: int, stats: RouteStats, kernels: str,
+              intranode: bool, imbalance: float) -> tuple[Part, Part]:
+    """(dispatch, combine) of ``tokens`` tokens on this GPU. ``kernels``: "normal" (DeepEP's
+    high-throughput kernels: FP8 out, BF16 back, once per node over RDMA and once per GPU
+    over NVLink) or "low_latency" (every top-k copy, straight to its GPU). The busiest
+    receiver, ``imbalance`` times the mean, sets the time."""
+    hidden = cfg.hidden_size
+    if kernels == "low_latency":
+        copies = tokens * cfg.num_experts_per_tok * imbalance
+        d_bytes, c_bytes = copies * (hidden * FP8_TOKEN_BYTES + 16), copies * hidden * 2
+        if intranode:                          # one NVLink domain (e.g. NVL72): NVLink at its measured speed
+            return (Part(comm=km.normal_a2a(0.0, d_bytes, ep, False, intranode=True)),
+                    Part(comm=km.normal_a2a(0.0, c_bytes, ep, True, intranode=True)))
+        d = km.low_latency_a2a(d_bytes, ep, combine=False)
+        c = km.low_latency_a2a(c_bytes, ep, combine=True)
+        return Part(comm=d), Part(comm=c)
+    out = []
+    for per_elem, combine in ((FP8_TOKEN_BYTES, False), (2, True)):
+        rdma = tokens * stats.nodes_per_token * hidden * per_elem
+        nvl = tokens * stats.ranks_per_token * hidden * per_elem * imbalance
+        out.append(Part(comm=km.normal_a2a(rdma, nvl, ep, combine, intranode=intranode)))
+    return out[0], out[1]
+
+
+def lm_head_part(km: KernelModel, cfg: ModelConfig, tokens: int) -> Part:
+    """Final norm and the BF16 LM head for ``tokens`` sampled positions."""
+    return Part(gemm=km.gemm(tokens, cfg.vocab_size, cfg.hidden_size, dtype="bf16"))
