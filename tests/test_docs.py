@@ -90,6 +90,13 @@ def test_reproductions_md_is_current():
             "docs/reproductions.md is stale: run .venv/bin/python docs/make_reproductions.py"
 
 
+def test_validation_md_is_current():
+    make = _load("docs/make_validation.py")
+    with open(make.OUTPUT) as f:
+        assert f.read() == make.render(), \
+            "docs/validation.md is stale: run .venv/bin/python docs/make_validation.py"
+
+
 # ---- figures -----------------------------------------------------------------------------
 
 def test_figures_exist_and_are_the_generated_ones():

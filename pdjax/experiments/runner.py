@@ -30,7 +30,7 @@ from pdjax.experiments import progress, results, rundir, schema
 #: ``pdjax/experiments/configs/<kind>.toml``.
 KINDS = ("quickstart", "bubble_sweep", "dbo_sweep", "pd_vs_colocated", "afd_ratio", "executed_bubbles",
          "schedule_search", "colocated_vs_pd", "pd_ratio_sweep", "afd_ratio_sweep", "link_bandwidth",
-         "prefix_cache_capacity")
+         "prefix_cache_capacity", "deployment_validation")
 
 
 @dataclasses.dataclass(frozen=True)
