@@ -6,6 +6,7 @@ Config (``pdjax run deployment_validation``; configs/deployment_validation.toml)
 
     [plots]
     breakdown = true     # the predicted op-class breakdown of every deployment
+    trace = ""           # a path to DeepSeek's train.json: its timeline beside the predicted pair
 
 The table ``validation`` holds every measured figure: published, predicted, error, gate and
 whether it holds; ``calibration`` the in-sample checks (DeepSeek's profile throughputs, the
@@ -24,6 +25,12 @@ from pdjax.experiments.schema import Header, knob, table
 @dataclasses.dataclass(frozen=True)
 class Plots:
     breakdown: bool = knob(True)
+    trace: str = knob("")
+
+    def __post_init__(self):
+        import os
+        if self.trace and not os.path.isfile(self.trace):
+            raise ValueError(f"plots.trace: no file {self.trace!r} (a path to train.json, or \"\")")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -84,6 +91,14 @@ def _figures(rows: list[dict], breakdown: bool) -> dict:
     return figs
 
 
+def _trace_figure(path: str):
+    """DeepSeek's train.json beside pdjax's prediction of the same chunk pair."""
+    from pdjax import configs
+    from pdjax.analysis.profile import plot_profile, read_profile
+    from pdjax.analysis.train_pair import predict_train_pair
+    return plot_profile(read_profile(path), predicted=predict_train_pair(configs.deepseek_v3()).spans)
+
+
 def _breakdown_figure(rows: list[dict]):
     from pdjax.analysis.streams import OP_CLASSES
     from pdjax.schedules.figure import Figure
@@ -120,9 +135,12 @@ def run(c: Config, out_dir: str) -> Result:
     headline = f"{held} of {len(gated)} gated figures within their gate"
     table_rows = [_fmt(r) for r in rows]
     metrics = {"validation": table_rows, "calibration": [_fmt(r) for r in cal], "held": held, "gated": len(gated)}
+    figures = _figures(rows, c.plots.breakdown)
+    if c.plots.trace:
+        figures["train_pair"] = _trace_figure(c.plots.trace)
     return Result("Deployment predictions against published measurements", headline, metrics=metrics,
                   tables={"validation": table_rows, "calibration": [_fmt(r) for r in cal]},
-                  figures=_figures(rows, c.plots.breakdown), body=render_body(rows, cal),
+                  figures=figures, body=render_body(rows, cal),
                   objects={"rows": rows, "calibration_rows": cal})
 
 

@@ -145,3 +145,26 @@ def test_list_shows_every_experiment(capsys):
     out = capsys.readouterr().out.splitlines()
     assert len(out) == len(runner.EXPERIMENTS)
     assert any(line.startswith("executed_bubbles ") for line in out)
+
+
+def test_deployment_validation_experiment(tmp_path):
+    """The validation run writes its tables, the predicted-vs-published and breakdown plots, and
+    with a trace (a synthetic one in train.json's format) the measured timeline beside the
+    predicted chunk pair; a missing trace path is refused before anything runs."""
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "cutlass::device_kernel<dpsk::grouped_gemm::GemmKernel>",
+         "pid": 0, "tid": 7, "ts": 0, "dur": 900, "args": {"correlation": 1}},
+        {"ph": "X", "cat": "kernel", "name": "void dpsk::ep::internode::dispatch<false>(int4*)",
+         "pid": 0, "tid": 27, "ts": 100, "dur": 700, "args": {"correlation": 2}}]}
+    path = tmp_path / "train.json"
+    path.write_text(json.dumps(trace))
+    cfg = tmp_path / "v.toml"
+    cfg.write_text(f'kind = "deployment_validation"\n[plots]\ntrace = "{path}"\n')
+    out_dir, result = runner.run(str(cfg), runs_dir=str(tmp_path / "runs"))
+    for name in ("validation.csv", "calibration.csv", "predicted_vs_published.png", "breakdown.png", "train_pair.png"):
+        assert os.path.exists(os.path.join(out_dir, name)), name
+    assert result["gated"] == sum(r["gate"] != "reported" for r in result.metrics["validation"])
+    bad = tmp_path / "b.toml"
+    bad.write_text('kind = "deployment_validation"\n[plots]\ntrace = "nowhere.json"\n')
+    with pytest.raises(ValueError, match="plots.trace: no file 'nowhere.json'"):
+        runner.run(str(bad), runs_dir=str(tmp_path / "runs"))
