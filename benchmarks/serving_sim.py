@@ -1,19 +1,35 @@
-"""Serving-simulator speed: 100,000 requests on a 16-instance deployment.
+"""Serving-simulator speed: 100,000 requests on a 16-instance deployment, with the old linear
+roofline cost and with the op-level model's cost (a LinearStepCost fitted once to
+pdjax.analysis.predict, pdjax.sim.cost_fit) in the same run.
 
-Prints wall time and events/s for colocated (16), PD (8P8D) and PD with a prefix cache,
-DeepSeek-V3 on 32 x H800 per instance (LinearStepCost from the roofline). The target is
-< 30 s per run on this machine (2 cores). Run: python benchmarks/serving_sim.py [N]
+Prints, per deployment (colocated 16, PD 8P8D, PD with a prefix cache) and cost, the median
+of ``REPEATS`` runs of wall time and simulated requests per second, and the op model's
+requests/s over the roofline's (the goal: at least 0.95). DeepSeek-V3 on 32 x H800 per
+instance. Run: python benchmarks/serving_sim.py [N]
 """
 
+import statistics
 import sys
 import time
 
 import pdjax
-from pdjax import sim
+from pdjax import analysis as A, sim
+from pdjax.sim.cost_fit import linear_cost_from_deployments
+
+REPEATS = 3
+
+
+def costs():
+    v3 = pdjax.configs.deepseek_v3()
+    t = time.perf_counter()
+    fitted = linear_cost_from_deployments(A.Deployment(v3, "h800", "prefill", gpus=32, ep=32),
+                                          A.Deployment(v3, "h800", "decode", gpus=32, ep=32))
+    print(f"op-model cost fitted in {time.perf_counter() - t:.2f} s ({fitted.note})")
+    return {"roofline": sim.LinearStepCost.from_roofline(v3, "h800", ep_size=32), "op model": fitted}
 
 
 def main(n: int = 100_000) -> None:
-    cost = sim.LinearStepCost.from_roofline(pdjax.configs.deepseek_v3(), "h800", ep_size=32)
+    cost = costs()
     t = time.perf_counter()
     spec = sim.WorkloadSpec(num_requests=n, rate=200.0, seed=0,
                             input={"kind": "lognormal", "mean": 4096, "cv": 1.0, "high": 32768},
@@ -28,15 +44,21 @@ def main(n: int = 100_000) -> None:
              ("PD 8P8D", sim.PDDisaggregated(8, 8, link_bw=link), None),
              ("PD 8P8D + prefix cache", sim.PDDisaggregated(8, 8, link_bw=link),
               lambda: sim.PrefixCache(1 << 16, 64))]
-    print(f"{'deployment':<24} {'wall s':>7} {'events':>10} {'events/s':>10} {'sim span s':>10} "
-          f"{'finished':>9} {'goodput':>8}")
+    print(f"{'deployment':<24} {'cost':<9} {'wall s':>7} {'requests/s':>11} {'events':>10} {'goodput':>8} "
+          f"{'op/roofline':>11}")
     for label, dep, cache in cases:
-        t = time.perf_counter()
-        res = sim.simulate(dep, cost, reqs, slo=slo, prefix_cache=cache() if cache else None)
-        wall = time.perf_counter() - t
-        s = res.summary
-        print(f"{label:<24} {wall:7.2f} {res.events:10,} {res.events / wall:10,.0f} {s['span_s']:10.1f} "
-              f"{s['finished']:9,} {s['goodput_rps']:8.1f}")
+        rps = {}
+        for name, c in cost.items():
+            walls = []
+            for _ in range(REPEATS):
+                t = time.perf_counter()
+                res = sim.simulate(dep, c, reqs, slo=slo, prefix_cache=cache() if cache else None)
+                walls.append(time.perf_counter() - t)
+            wall = statistics.median(walls)
+            rps[name] = n / wall
+            ratio = f"{rps[name] / rps['roofline']:11.2f}" if name != "roofline" else f"{'':>11}"
+            print(f"{label:<24} {name:<9} {wall:7.2f} {rps[name]:11,.0f} {res.events:10,} "
+                  f"{res.summary['goodput_rps']:8.1f} {ratio}")
 
 
 if __name__ == "__main__":

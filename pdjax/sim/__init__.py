@@ -48,7 +48,7 @@ _MOVED = {
     **dict.fromkeys(("segment_chain_hashes", "token_chain_hashes"), "prefix_cache"),
     "rate_runner": "sweeps", "LengthDist": "workload",
 }
-_SUBMODULES = ("afd_step", "colocated", "controller", "cost", "deployment", "instances", "metrics", "policies",
+_SUBMODULES = ("afd_step", "colocated", "controller", "cost", "cost_fit", "deployment", "instances", "metrics", "policies",
                "prefix_cache", "result", "simulator", "sweeps", "trace", "workload")
 _RENAMED = {"afd": "afd_step", "search": "sweeps"}   # module names another subpackage also used
 
