@@ -15,7 +15,7 @@ from pdjax.analysis.hardware import FIGURES, hardware_names, unregister_hardware
 from pdjax.analysis.report import Report, quickstart_section
 from pdjax.analysis.units import GB, GiB, TB
 
-CONTRACT_NAMES = ("h100-sxm", "h800", "h200", "a100", "mi300x", "gb200", "ascend-910c")
+CONTRACT_NAMES = ("h100-sxm", "h800", "h200", "h20", "b200", "a100", "mi300x", "gb200", "ascend-910c")
 
 
 # ---- hardware presets and registry ---------------------------------------------------
