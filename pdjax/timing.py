@@ -28,9 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pdjax import api
-from pdjax.analysis.costmodel_calibrate import (CalibrationResult, DecodeCalibrationResult, check_decode_plan,
-                                                check_decode_shapes, check_prefill_plan, check_shapes,
-                                                decode_result, prefill_result)
+from pdjax.analysis.costmodel_calibrate import (CalibrationResult, DecodeCalibrationResult, FitSpec, calibrate_cost,
+                                                check_decode_plan, check_decode_shapes, check_prefill_plan,
+                                                check_shapes, time_shapes)
 from pdjax.arguments import check_int
 from pdjax.model.cache import KVCache, init_cache
 from pdjax.model.transformer import param_dtype
@@ -41,18 +41,38 @@ def _fresh(cache):
     return jax.block_until_ready(jax.tree.map(jnp.copy, cache))
 
 
-def _timed_rounds(prepared: list, repeats: int, rng, call) -> dict:
-    """{shape: [seconds]} of ``call(item)`` for each ``(shape, item)`` of ``prepared``,
-    ``repeats`` rounds over the shapes in a shuffled order, each call waited for."""
-    times = {shape: [] for shape, _ in prepared}
-    for _ in range(repeats):
-        for i in rng.permutation(len(prepared)):
-            shape, item = prepared[i]
-            args = call(item, prepare=True)
-            t0 = time.perf_counter()
-            jax.block_until_ready(call(item, args=args))
-            times[shape].append(time.perf_counter() - t0)
-    return times
+def _timed(fn, *args) -> float:
+    """Seconds of ``fn(*args)``, waited for."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - t0
+
+
+def _prefill_timer(params, cfg, shapes, batch: int, rng):
+    """measure((q, c)) -> seconds of one chunk of q tokens continuing a filled cache of c + q
+    positions (a fresh copy of it each call, made before the clock starts)."""
+    for q, c in shapes:
+        if q + c > cfg.max_position_embeddings:
+            raise ValueError(f"shape (q={q}, c={c}) exceeds max_position_embeddings="
+                             f"{cfg.max_position_embeddings}")
+
+    def tokens(n):
+        return rng.integers(0, cfg.vocab_size, (batch, n), dtype=np.int32)
+
+    prepared = {}
+    for q, c in shapes:
+        cache = init_cache(cfg, batch, q + c, param_dtype(params))
+        done = 0
+        while done < c:                  # the prefix, in chunks of q
+            n = min(q, c - done)
+            _, cache = api.prefill(params, cfg, tokens(n), cache=cache)
+            done += n
+        prepared[(q, c)] = (jax.block_until_ready(cache), tokens(q))
+
+    def measure(shape):
+        cache, chunk = prepared[shape]
+        return _timed(lambda fresh: api.prefill(params, cfg, chunk, cache=fresh), _fresh(cache))
+    return measure
 
 
 def measure_prefill(params, cfg, shapes: Sequence[tuple[int, int]], repeats: int = 5, *,
@@ -61,34 +81,8 @@ def measure_prefill(params, cfg, shapes: Sequence[tuple[int, int]], repeats: int
     {(q, c): [seconds of each repeat]}. See the module docstring for the protocol."""
     shapes = check_shapes("shapes", shapes)
     check_int("repeats", repeats)
-    for q, c in shapes:
-        if q + c > cfg.max_position_embeddings:
-            raise ValueError(f"shape (q={q}, c={c}) exceeds max_position_embeddings="
-                             f"{cfg.max_position_embeddings}")
-    rng = np.random.default_rng(seed)
-
-    def tokens(n):
-        return rng.integers(0, cfg.vocab_size, (batch, n), dtype=np.int32)
-
-    prepared = []
-    for q, c in shapes:
-        cache = init_cache(cfg, batch, q + c, param_dtype(params))
-        done = 0
-        while done < c:                  # the prefix, in chunks of q
-            n = min(q, c - done)
-            _, cache = api.prefill(params, cfg, tokens(n), cache=cache)
-            done += n
-        cache = jax.block_until_ready(cache)
-        chunk = tokens(q)
-        # compile + warm-up on exactly what is timed (a copy of the filled cache: the fill's
-        # own calls may have compiled for other placements, e.g. params on a mesh)
-        jax.block_until_ready(api.prefill(params, cfg, chunk, cache=_fresh(cache)))
-        prepared.append(((q, c), (cache, chunk)))
-
-    def call(item, prepare=False, args=None):
-        cache, chunk = item
-        return _fresh(cache) if prepare else api.prefill(params, cfg, chunk, cache=args)
-    return _timed_rounds(prepared, repeats, rng, call)
+    measure = _prefill_timer(params, cfg, shapes, batch, np.random.default_rng(seed))
+    return time_shapes(measure, shapes, repeats, warmup=1, seed=seed)[0]
 
 
 def calibrate(params, cfg, shapes: Sequence[tuple[int, int]], repeats: int = 5, *,
@@ -102,15 +96,16 @@ def calibrate(params, cfg, shapes: Sequence[tuple[int, int]], repeats: int = 5, 
     ``statistic``: "median" (default) or "min" of the repeats (the min is robust to load
     from other processes, which only ever adds time)."""
     shapes, holdout = check_prefill_plan(shapes, holdout, intercept, statistic)
-    times = measure_prefill(params, cfg, shapes + holdout, repeats, batch=batch, seed=seed)
-    return prefill_result(times, shapes, holdout, intercept=intercept, statistic=statistic,
-                          backend=jax.default_backend())
+    check_int("repeats", repeats)
+    measure = _prefill_timer(params, cfg, shapes + holdout, batch, np.random.default_rng(seed))
+    return calibrate_cost(measure, shapes, repeats, fit=FitSpec("prefill", intercept=intercept), holdout=holdout,
+                          statistic=statistic, warmup=1, seed=seed, backend=jax.default_backend())
 
 
-def _decode_caches(params, cfg, shapes, rng, distinct_rows, prefill_tokens) -> list:
-    """[((B, L), cache)]: per shape, B rows of L cached tokens (the first L positions of one
-    real prefill of the longest L, cut to L + 1), rows repeated past ``distinct_rows``;
-    each shape's step compiled and run once."""
+def _decode_timer(params, cfg, shapes, rng, distinct_rows, prefill_tokens):
+    """measure((B, L)) -> seconds of one decode step of B rows of L cached tokens (the first
+    L positions of one real prefill of the longest L, cut to L + 1; rows repeated past
+    ``distinct_rows``), with new random next tokens and a fresh copy of the cache each call."""
     def tokens(*shape):
         return rng.integers(0, cfg.vocab_size, shape, dtype=np.int32)
 
@@ -121,15 +116,22 @@ def _decode_caches(params, cfg, shapes, rng, distinct_rows, prefill_tokens) -> l
     parts = [api.prefill(params, cfg, tokens(min(group, rows - start), L_max), max_len=L_max + 1)[1]
              for start in range(0, rows, group)]
     full = jax.block_until_ready(tuple(jnp.concatenate(layer) for layer in zip(*(p.kv for p in parts))))
-    prepared = []
+    prepared = {}
     for B, L in shapes:
         pick = jnp.asarray(np.arange(B) % rows)
-        cache = jax.block_until_ready(KVCache(kv=tuple(jnp.take(k[:, :L + 1], pick, axis=0) for k in full),
-                                              lengths=jnp.full((B,), L, jnp.int32)))
-        # compile + warm-up, excluded from the timings
-        jax.block_until_ready(api.decode_step(params, cfg, tokens(B), _fresh(cache)))
-        prepared.append(((B, L), cache))
-    return prepared
+        prepared[(B, L)] = jax.block_until_ready(KVCache(kv=tuple(jnp.take(k[:, :L + 1], pick, axis=0) for k in full),
+                                                         lengths=jnp.full((B,), L, jnp.int32)))
+
+    def measure(shape):
+        nxt = jax.block_until_ready(jnp.asarray(tokens(shape[0])))
+        return _timed(lambda cache: api.decode_step(params, cfg, nxt, cache), _fresh(prepared[shape]))
+    return measure
+
+
+def _check_decode_options(repeats, distinct_rows, prefill_tokens) -> None:
+    for name, value in (("repeats", repeats), ("prefill_tokens", prefill_tokens),
+                        ("distinct_rows", 1 if distinct_rows is None else distinct_rows)):
+        check_int(name, value)
 
 
 def measure_decode(params, cfg, shapes: Sequence[tuple[int, int]], repeats: int = 5, *,
@@ -152,19 +154,9 @@ def measure_decode(params, cfg, shapes: Sequence[tuple[int, int]], repeats: int 
     a fresh copy of the cache (it is donated) and new random next tokens, and ends in
     ``block_until_ready``. Repeats are interleaved over the shapes in shuffled rounds."""
     shapes = check_decode_shapes("shapes", shapes, cfg)
-    for name, value in (("repeats", repeats), ("prefill_tokens", prefill_tokens),
-                        ("distinct_rows", 1 if distinct_rows is None else distinct_rows)):
-        check_int(name, value)
-    rng = np.random.default_rng(seed)
-    prepared = _decode_caches(params, cfg, shapes, rng, distinct_rows, prefill_tokens)
-
-    def call(cache, prepare=False, args=None):
-        if prepare:
-            B = cache.lengths.shape[0]
-            nxt = jax.block_until_ready(jnp.asarray(rng.integers(0, cfg.vocab_size, (B,), dtype=np.int32)))
-            return nxt, _fresh(cache)
-        return api.decode_step(params, cfg, *args)
-    return _timed_rounds(prepared, repeats, rng, call)
+    _check_decode_options(repeats, distinct_rows, prefill_tokens)
+    measure = _decode_timer(params, cfg, shapes, np.random.default_rng(seed), distinct_rows, prefill_tokens)
+    return time_shapes(measure, shapes, repeats, warmup=1, seed=seed)[0]
 
 
 def calibrate_decode(params, cfg, shapes: Sequence[tuple[int, int]], repeats: int = 5, *,
@@ -178,6 +170,8 @@ def calibrate_decode(params, cfg, shapes: Sequence[tuple[int, int]], repeats: in
     held-out relative error. Needs >= 3 fitting shapes that vary both B and K
     independently (the columns [1, B, K] of full rank). See :func:`measure_decode`."""
     shapes, holdout = check_decode_plan(shapes, holdout, cfg, statistic)
-    times = measure_decode(params, cfg, shapes + holdout, repeats, seed=seed,
-                           distinct_rows=distinct_rows, prefill_tokens=prefill_tokens)
-    return decode_result(times, shapes, holdout, statistic=statistic, backend=jax.default_backend())
+    _check_decode_options(repeats, distinct_rows, prefill_tokens)
+    measure = _decode_timer(params, cfg, shapes + holdout, np.random.default_rng(seed), distinct_rows,
+                            prefill_tokens)
+    return calibrate_cost(measure, shapes, repeats, fit=FitSpec("decode"), holdout=holdout, statistic=statistic,
+                          warmup=1, seed=seed, backend=jax.default_backend())

@@ -166,26 +166,26 @@ class PDEngine:
     def calibrate_prefill(self, shapes=None, repeats: int = 3, intercept: bool = True):
         """Measure this engine's first prefill pool on (q new tokens, c cached) shapes, through
         the same code path and chunking it serves with, and fit cost(q, c) =
-        a q^2 + b q c + g q (+ d) (median of ``repeats`` after a warm-up). Sets and returns
-        ``self.prefill_cost``."""
-        from pdjax.analysis.costmodel_fit import fit_prefill_cost
-        from pdjax.disagg.request import Request
+        a q^2 + b q c + g q (+ d) (median of ``repeats`` after a warm-up round;
+        :func:`pdjax.analysis.costmodel_calibrate.calibrate_cost`). Sets and returns
+        ``self.prefill_cost``; ``self.calibration`` is the full result."""
+        from pdjax.analysis.costmodel_calibrate import FitSpec, calibrate_cost
         if shapes is None:
             top = min(256, self.max_context // 2)
             shapes = sorted({(q, c) for q in (16, 64, top) for c in (0, 64, top) if q + c <= self.max_context})
+        shapes = [tuple(s) for s in shapes]
         rng = np.random.default_rng(0)
-        samples = []
-        for q, c in shapes:
-            prompt = rng.integers(0, self.cfg.vocab_size, q + c).tolist()
-            times = []
-            for _ in range(repeats + 1):
-                spent: list = []
-                self.prefill.run(Request(0, prompt, 1), lambda *a: None,
-                                 chunk=(lambda pos, c=c, q=q: c if pos == 0 and c else q), chunk_times=spent)
-                times.append(spent[-1])
-            samples.append((q, c, float(np.median(times[1:]))))
-        self.prefill_cost = fit_prefill_cost(samples, intercept=intercept)
-        self.calibration_samples = samples
+        prompts = {s: rng.integers(0, self.cfg.vocab_size, s[0] + s[1]).tolist() for s in dict.fromkeys(shapes)}
+
+        def measure(shape):                   # seconds of the last chunk: q over a cached prefix of c
+            q, c = shape
+            spent: list = []
+            self.prefill.run(Request(0, prompts[shape], 1), lambda *a: None,
+                             chunk=lambda pos: c if pos == 0 and c else q, chunk_times=spent)
+            return spent[-1]
+        self.calibration = calibrate_cost(measure, shapes, repeats, fit=FitSpec("prefill", intercept=intercept),
+                                          warmup=1, backend=jax.default_backend())
+        self.prefill_cost, self.calibration_samples = self.calibration.fit, list(self.calibration.samples)
         return self.prefill_cost
 
     def _pick_worker(self, req, free_at: list, now: float) -> int:

@@ -8,10 +8,13 @@ slots, prefill chunking, prefill workers, link bandwidth) and the engine's own m
 * prefill: ``engine.calibrate_prefill`` on the padding buckets the trace's prompts run in
   (cost(q, c) = a q^2 + b q c + g q + d), evaluated at the bucket a chunk is padded to;
 * decode: closed batches of B requests of L-token prompts served by the same engine
-  (:func:`calibrate_decode`); each decode-loop iteration in which the batch neither grew nor
-  shrank is a sample (B, K cached tokens, seconds), fitted to t(B, K) = d0 + d1 B + d2 K
-  (:func:`pdjax.analysis.costmodel_fit.fit_decode_cost`). Timing the engine's loop, not
-  ``DecodePool.step`` alone, keeps the scheduler's per-step work in the cost.
+  (:func:`calibrate_decode`); each decode-loop iteration after the last prefill is an
+  observation (B, K cached tokens, joined, left, seconds), fitted to t(B, K) = d0 + d1 B +
+  d2 K + dj joined + dl left. Timing the engine's loop, not ``DecodePool.step`` alone, keeps
+  the scheduler's per-step work in the cost.
+
+All three go through the one calibration path,
+:func:`pdjax.analysis.costmodel_calibrate.calibrate_cost`; each supplies what times a sample.
 
 The simulated colocated instance alternates steps (a step is one request's prefill chunk or
 a decode step, turns taken when both wait: the engine's FIFO pool lock); the PD deployment
@@ -29,7 +32,7 @@ from typing import Sequence
 import numpy as np
 
 from pdjax import sim
-from pdjax.analysis.costmodel_fit import DecodeCostFit, fit_decode_cost
+from pdjax.analysis.costmodel_fit import DecodeCostFit
 
 PROMPT_LENS = (24, 48, 96, 160, 320)     # a mix over five padding buckets (32 .. 512)
 OUTPUT_LENS = (8, 48)                    # uniform, inclusive
@@ -136,12 +139,14 @@ def decode_samples(requests: Sequence[dict]) -> list[tuple[int, int, int, int, f
 @dataclasses.dataclass(frozen=True)
 class DecodeCalibration:
     """The engine's decode loop measured: ``fit`` (t = d0 + d1 B + d2 K + dj joined +
-    dl left), the ``samples`` it was fitted to (per run and (B, joined, left): mean K,
-    median seconds) and every ``iteration`` (B, K, joined, left, seconds)."""
+    dl left), the ``samples`` it was fitted to (per (B, joined, left) of a batch: mean K,
+    median seconds), every ``iteration`` (B, K, joined, left, seconds) and the calibration
+    ``result`` (its ``table()``, errors)."""
 
     fit: DecodeCostFit
     samples: tuple
     iterations: tuple
+    result: object = None
 
     @property
     def jitter(self) -> list[float]:
@@ -153,27 +158,28 @@ class DecodeCalibration:
 def calibrate_decode(engine, prompt_lens: Sequence[int], batches: Sequence[int] = (1, 2, 4, 8),
                      new_tokens: int = 32, repeats: int = 1, seed: int = 0) -> DecodeCalibration:
     """Fit the engine's decode-loop iteration t = d0 + d1 B + d2 K + dj joined + dl left
-    (:func:`pdjax.analysis.costmodel_fit.fit_decode_cost` with ``handoff=True``) from closed
-    batches of B requests of each prompt length (all arriving at once, ``new_tokens`` each),
-    served by the engine itself. Per (run, B, joined, left) the median iteration is one
-    sample (:func:`decode_samples`)."""
-    samples, iterations = [], []
-    for _ in range(repeats):
-        for L in prompt_lens:
-            for B in batches:
-                B = min(B, engine.decode.slots)
-                engine.generate(prompts_for([L] * B, engine.cfg.vocab_size, seed + 31 * L + B),
-                                max_new_tokens=new_tokens)
-                groups: dict[tuple, list] = {}
-                for b, k, jn, lv, sec in decode_samples(engine.stats["requests"]):
-                    groups.setdefault((b, jn, lv), []).append((k, sec))
-                    iterations.append((b, k, jn, lv, sec))
-                for (b, jn, lv), ks in groups.items():
-                    samples.append((b, float(np.mean([k for k, _ in ks])), jn, lv,
-                                    float(np.median([sec for _, sec in ks]))))
-    if len(samples) < 5:
-        raise ValueError(f"decode calibration found {len(samples)} samples; raise new_tokens")
-    return DecodeCalibration(fit_decode_cost(samples, handoff=True), tuple(samples), tuple(iterations))
+    (:func:`pdjax.analysis.costmodel_calibrate.calibrate_cost` with the handoff terms) from
+    closed batches of B requests of each prompt length (all arriving at once, ``new_tokens``
+    each), served by the engine itself. A batch's iterations (:func:`decode_samples`) of one
+    (B, joined, left) observe one sample (their mean K); its seconds are their median."""
+    import jax
+
+    from pdjax.analysis.costmodel_calibrate import FitSpec, calibrate_cost
+    iterations: list = []
+
+    def measure(shape):                   # one closed batch: its iterations, by sample
+        L, B = shape
+        engine.generate(prompts_for([L] * B, engine.cfg.vocab_size, seed + 31 * L + B), max_new_tokens=new_tokens)
+        groups: dict[tuple, list] = {}
+        for b, k, jn, lv, sec in decode_samples(engine.stats["requests"]):
+            groups.setdefault((b, jn, lv), []).append((k, sec))
+            iterations.append((b, k, jn, lv, sec))
+        return {(b, float(np.mean([k for k, _ in ks])), jn, lv): [sec for _, sec in ks]
+                for (b, jn, lv), ks in groups.items()}
+    shapes = [(L, min(B, engine.decode.slots)) for L in prompt_lens for B in batches]
+    res = calibrate_cost(measure, shapes, repeats, fit=FitSpec("decode", handoff=True), seed=seed,
+                         backend=jax.default_backend())
+    return DecodeCalibration(res.fit, res.samples, tuple(iterations), res)
 
 
 # ---- prefill as served ----------------------------------------------------------------------
@@ -206,33 +212,36 @@ def calibrate_served_prefill(engine, prompt_lens: Sequence[int], decode_fit, bac
     decode while ``probes`` one-token requests of each prompt length arrive one at a time
     (spaced well apart, at random phases of the decode steps). A probe's prefill cost is its
     TTFT less the decode loop's delay as the simulator models it
-    (:func:`loop_delay_steps` x the background's decode step); the medians per padding
-    bucket are fitted to cost(q, c) = a q^2 + b q c + g q + d, and compared with the
+    (:func:`loop_delay_steps` x the background's decode step; at least 1 us); the medians
+    per padding bucket are fitted to cost(q, c) = a q^2 + b q c + g q + d
+    (:func:`pdjax.analysis.costmodel_calibrate.calibrate_cost`), and compared with the
     engine's isolated ``prefill_cost``."""
-    from pdjax.analysis.costmodel_fit import fit_prefill_cost
+    from pdjax.analysis.costmodel_calibrate import FitSpec, calibrate_cost
     from pdjax.disagg.prefill import bucket
     rng = np.random.default_rng(seed)
     bg_len = min(prompt_lens)
     step = float(decode_fit(background, background * bg_len))
-    samples, ratios, busy, idle = [], [], [], []
-    for L in sorted(set(prompt_lens)):
+    busy, idle = [], []
+
+    def measure(L):                       # one served run: the probes of length L
         q = bucket(L, engine.prefill.size)
-        isolated = float(engine.prefill_cost(q, 0))
-        gap = 3 * isolated + 10 * step
+        gap = 3 * float(engine.prefill_cost(q, 0)) + 10 * step
         arrivals = [0.0] * background + [5 * step + i * gap + float(rng.uniform(0, step)) for i in range(probes)]
         tokens = min(int((arrivals[-1] + gap) / step) + 8, engine.max_context - bg_len)
         prompts = prompts_for([bg_len] * background + [L] * probes, engine.cfg.vocab_size, seed + L)
         engine.generate(prompts, max_new_tokens=[tokens] * background + [1] * probes, arrival_times=arrivals)
-        ttft = [r["ttft"] for r in engine.stats["requests"][background:]]
-        cost = max(float(np.median(ttft)) - loop_delay_steps(engine) * step, 1e-6)
-        samples.append((q, 0, cost))
-        ratios.append(cost / isolated)
         dc = decode_contention(engine.stats, decode_fit)
         busy.append(dc["prefill"])
         idle.append(dc["no_prefill"])
-    fit = fit_prefill_cost((samples * 4)[:max(4, len(samples))], intercept=True)   # the fit needs four
+        delay = loop_delay_steps(engine) * step
+        return {(q, 0): [max(r["ttft"] - delay, 1e-6) for r in engine.stats["requests"][background:]]}
+    lens = sorted(set(prompt_lens))
+    res = calibrate_cost(measure, (lens * 4)[:max(4, len(lens))], 1, fit=FitSpec("prefill", intercept=True),
+                         seed=seed)           # the fit needs four samples: repeat, never serve more
+    samples = res.samples[:len(lens)]
+    ratio = float(np.median([t / float(engine.prefill_cost(q, c)) for q, c, t in samples]))
     d = float(np.nanmedian(busy) / np.nanmedian(idle)) if not np.all(np.isnan(busy)) else 1.0
-    return ServedPrefill(fit, tuple(samples), max(1.0, float(np.median(ratios))), max(1.0, d))
+    return ServedPrefill(res.fit, samples, max(1.0, ratio), max(1.0, d))
 
 
 # ---- the simulated twin -----------------------------------------------------------------------

@@ -176,6 +176,7 @@ def test_transfer_signal_and_calibration(tiny_cfg, chunked, pd_prompts, pd_expec
     fit = chunked.calibrate_prefill(shapes=[(16, 0), (32, 0), (16, 32), (32, 32)], repeats=1, intercept=False)
     assert fit is chunked.prefill_cost and fit.n == 4
     assert all(t > 0 for *_, t in chunked.calibration_samples)
+    assert chunked.calibration.fit is fit and set(chunked.calibration.repeats) == {(16, 0), (32, 0), (16, 32), (32, 32)}
     assert min(fit.a, fit.b, fit.g) >= 0 and fit(32, 32) > 0
     assert chunked.predicted_prefill_s(64) > 0
 

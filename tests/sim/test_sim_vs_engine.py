@@ -65,6 +65,7 @@ def test_compare_engine_rows(tiny_cfg, tiny_params, kind):
     assert all(sm.summary["finished"] == len(trace) for sm in c.sims.values())
     assert isinstance(c.costs["model"], sim.FittedStepCost) and c.decode.fit.n >= 5
     assert c.decode.iterations and c.decode.jitter and len(c.served.samples) == 2
+    assert c.decode.result.spec.handoff and c.decode.result.samples == c.decode.samples
     assert c.served.prefill_factor >= 1 and c.served.decode_factor >= 1
     assert (c.sims["model"].summary.get("deployment"), kind) in (("colocated", "colocated"), ("pd", "pd"))
     for cost in c.costs.values():
