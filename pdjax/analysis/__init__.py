@@ -14,7 +14,7 @@ deployment predictor: ``deploy`` (:class:`Deployment`, :func:`predict`, and the 
 DeepSeek's inference profiles calibrate), built from
 ``calibration`` (DeepSeek's published kernel measurements), ``kernels`` (kernel times on
 any hardware), ``routing`` (where routed tokens go), ``opmodel`` (a layer's ops),
-``overlap`` / ``streams`` (micro-batches on a compute and a comm stream), ``memory_fit``
+``overlap`` / ``streams`` (micro-batches on streams: the one overlap model), ``memory_fit``
 (the saturation batch), ``profile``
 (:func:`read_profile`, PyTorch-profiler traces), ``train_pair`` (a DualPipe chunk pair);
 ``validation_set`` holds the independent measurements it is held against.

@@ -4,7 +4,12 @@
   exchange time T_c < T_f, the exchange is hidden when the number of in-flight
   micro-batches m >= 2 * (1 + T_c / T_f): 3 at T_c = T_f / 2, 4 as T_c -> T_f.
 * Dual-batch overlap (two micro-batches) hides the FFN when
-  T_attn(ub2) >= T_ffn(ub1) + T_comm.
+  T_attn(ub2) >= T_ffn(ub1) + T_comm (T_comm: the exchange's round trip).
+
+Both bounds are formulas from the literature, and consequences of the one overlap model:
+the AF ping-pong program :func:`pdjax.analysis.overlap.af_program` scheduled by
+:func:`pdjax.analysis.streams.schedule` hides the exchange exactly when they hold
+(tests/analysis/test_afd_bounds_model.py checks both against the schedule).
 * Speedup model (FastAFD, per accelerator):
   (B_AFD / B_base) * (T_base / T_AFD) * M / (M + N), M attention and N extra FFN
   accelerators; the worked example 1.50 * 1.15 * 0.85 ~ 1.47.
@@ -20,7 +25,9 @@ from pdjax.arguments import check_int, check_nonnegative, check_positive
 def afd_min_microbatches(comm_time: float, ffn_time: float) -> float:
     """Lower bound on ping-pong micro-batches: 2 * (1 + T_c / T_f) (a real number; see
     :func:`afd_min_microbatches_int`). Needs 0 <= T_c <= T_f: a one-way exchange slower
-    than the FFN cannot be hidden by any number of micro-batches (ValueError)."""
+    than the FFN cannot be hidden by any number of micro-batches (ValueError). In the
+    scheduled AF program with T_a = T_f, a layer of m micro-batches takes m T_f (the
+    exchange hidden) exactly when m is at least this bound."""
     check_nonnegative("comm_time", comm_time)
     check_positive("ffn_time", ffn_time)
     if comm_time > ffn_time:
@@ -36,7 +43,9 @@ def afd_min_microbatches_int(comm_time: float, ffn_time: float) -> int:
 
 def dbo_hides_ffn(attn_time_ub2: float, ffn_time_ub1: float, comm_time: float) -> bool:
     """Whether dual-batch overlap hides micro-batch 1's FFN and exchange under
-    micro-batch 2's attention: T_attn(ub2) >= T_ffn(ub1) + T_comm."""
+    micro-batch 2's attention: T_attn(ub2) >= T_ffn(ub1) + T_comm, ``comm_time`` the
+    exchange's round trip (A2F + F2A). In the scheduled AF program with two micro-batches
+    the attention side never waits exactly when this holds."""
     check_nonnegative("attn_time_ub2", attn_time_ub2)
     check_nonnegative("ffn_time_ub1", ffn_time_ub1)
     check_nonnegative("comm_time", comm_time)

@@ -1,6 +1,7 @@
-"""Micro-batch overlap on a compute and a communication stream: the programs DeepSeek-style
-deployments run, as :class:`~pdjax.analysis.streams.Op` lists for
-:func:`~pdjax.analysis.streams.schedule`. The one overlap model of pdjax.analysis.
+"""Micro-batch overlap on streams: the programs DeepSeek-style deployments and AF-disaggregated
+decode run, as :class:`~pdjax.analysis.streams.Op` lists for
+:func:`~pdjax.analysis.streams.schedule`. The one overlap model of pdjax (pdjax.parallel.dbo's
+``overlap_timeline`` and pdjax.sim.afd_step are views of it).
 
 * :func:`layer_program`: the layers of an inference step for one micro-batch (no overlap)
   or two (two-batch overlap, TBO / DBO). Per layer, the compute stream runs attention of
@@ -13,6 +14,12 @@ deployments run, as :class:`~pdjax.analysis.streams.Op` lists for
   order of DeepSeek's train.json: per layer combine(B), attn(F), mlp(B), dispatch(F),
   dispatch(B), mlp(W), mlp(F), attn(B), attn(W), combine(F), where "(B)" of a combine runs a
   dispatch kernel and vice versa (the backward of an all-to-all is the other one).
+* :func:`af_program`: AF ping-pong (MegaScale-Infer style) on the streams "attention", "a2f",
+  "ffn", "f2a": per layer every micro-batch's attention and A2F, then every one's FFN and
+  F2A (the host's issue order); a micro-batch's A2F waits for its attention, its FFN for its
+  A2F, its F2A for its FFN and its next layer's attention for its F2A. Each stream serves
+  the micro-batches round-robin, one at a time (a link carries one micro-batch's hidden
+  states at a time).
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ def layer_program(layers: Sequence[LayerParts], microbatches: int, *, comm_holds
     ops: list[Op] = []
     last = [None] * microbatches                 # last op of each micro-batch so far
     for l, lp in enumerate(layers):
-        is_moe = lp.dense.compute == 0 and (lp.dispatch.comm > 0 or lp.experts.compute > 0)
+        is_moe = lp.dense.compute == 0           # no dense MLP: an MoE layer (its parts may take 0 s)
         for mb in range(microbatches):
             block = _compute_ops(f"a{l}.{mb}", lp.attn, (last[mb],) if last[mb] else (), "attn")
             ops += block
@@ -108,6 +115,43 @@ def dualpipe_pair_program(layers: Sequence[PairParts], *, comm_holds_sms: bool =
         ops += m_w + m_f + a_b + a_w
         ops.append(_comm_op(f"cF{l}", "combine", p.combine_f, m_f[-1].name, comm_holds_sms, "combine(F)"))
         prev_f, prev_b = f"cF{l}", a_b[-1].name
+    return ops
+
+
+@dataclasses.dataclass(frozen=True)
+class AFStages:
+    """Seconds of one layer of one micro-batch in an AF unit: ``attn`` (the attention side),
+    ``a2f`` (its hidden states to the FFN side), ``ffn`` (the FFN side), ``f2a`` (back)."""
+
+    attn: float
+    a2f: float
+    ffn: float
+    f2a: float
+
+
+def af_program(layers: Sequence[AFStages], microbatches: int, *, head: float = 0.0,
+               one_device: bool = False) -> list[Op]:
+    """AF ping-pong of ``microbatches`` micro-batches through ``len(layers)`` layers, on the
+    streams "attention", "a2f", "ffn", "f2a" (see the module docstring); ``head``: seconds
+    of each micro-batch's last attention-side segment (final norm and LM head) after the
+    last layer. ``one_device``: the attention and FFN programs share one resource
+    ("compute", as XLA:CPU runs both meshes' programs one at a time in issue order)."""
+    m = microbatches
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        raise ValueError(f"microbatches must be a positive integer, got {m!r}")
+    attn, ffn = ("compute", "compute") if one_device else ("attention", "ffn")
+    ops: list[Op] = []
+    last: list = [None] * m                   # each micro-batch's last op so far
+    for l, st in enumerate(layers):
+        for j in range(m):
+            ops += [Op(f"a{l}.{j}", attn, "attention", st.attn, (last[j],) if last[j] else (), group="attention"),
+                    Op(f"x{l}.{j}", "a2f", "dispatch", st.a2f, (f"a{l}.{j}",), group="a2f")]
+        for j in range(m):
+            ops += [Op(f"f{l}.{j}", ffn, "gemm", st.ffn, (f"x{l}.{j}",), group="ffn"),
+                    Op(f"y{l}.{j}", "f2a", "combine", st.f2a, (f"f{l}.{j}",), group="f2a")]
+            last[j] = f"y{l}.{j}"
+    if head:
+        ops += [Op(f"head.{j}", attn, "other", head, (last[j],) if last[j] else (), group="head") for j in range(m)]
     return ops
 
 

@@ -7,13 +7,16 @@ returns one row per m: the measured per-stage times (medians per MoE layer per m
 every prefill is done, in a run of the same engine without the timeline: its watcher
 threads slow the host), and what the models predict from those stage times:
 
-* the overlap model of the simulator, :class:`pdjax.sim.AFDStepModel` (fed the measured
-  stages through :class:`MeasuredStageCost`): L * max(m T_a, m T_f, T_a + T_f + 2 T_c), the
-  attention and FFN sides running at the same time, as on GPUs;
-* the issue-order model :func:`issue_order_step`: one device resource that runs
-  multi-device programs one at a time in the order the host issues them, with the
-  exchange's single-device copies running beside it. That is how XLA:CPU runs the engine
-  (docs/disagg.md), so it is the model a CPU measurement can be held against;
+* the overlap model of the simulator (:mod:`pdjax.sim.afd_step`): the AF ping-pong program
+  on streams attention, a2f, ffn, f2a, scheduled by the one overlap model
+  (:func:`pdjax.analysis.streams.schedule`), L times its steady-state layer cycle
+  (:func:`pdjax.sim.afd_step.afd_scheduled_cycle`; = L * max(m T_a, m T_f, m T_c, T_a + T_f + 2 T_c)
+  while the links are not the bottleneck), the attention and FFN sides running at the same
+  time, as on GPUs;
+* the issue-order model :func:`issue_order_step`: the same program with the attention and
+  FFN programs on one device resource, which runs them one at a time in the order the host
+  issues them, with the exchange's copies running beside it. That is how XLA:CPU runs the
+  engine (docs/disagg.md), so it is the model a CPU measurement can be held against;
 * the ping-pong bound m >= 2 (1 + T_c / T_f) (:func:`pdjax.analysis.afd_min_microbatches`),
   the dual-batch-overlap condition T_attn(ub2) >= T_ffn(ub1) + T_comm
   (:func:`pdjax.analysis.afd_bounds.dbo_hides_ffn`) and, with a colocated baseline measured on the
@@ -37,8 +40,10 @@ import numpy as np
 
 from pdjax.analysis import afd_min_microbatches, afd_speedup
 from pdjax.analysis.afd_bounds import attention_share, dbo_hides_ffn
+from pdjax.analysis.overlap import AFStages, af_program
+from pdjax.analysis.streams import schedule
 from pdjax.disagg.afd import op_times
-from pdjax.sim.afd_step import AFDStepModel, exchange_hidden
+from pdjax.sim.afd_step import afd_scheduled_cycle
 
 STREAMS = ("attention", "a2f", "ffn", "f2a")
 #: XLA:CPU runs the attention mesh's and the FFN mesh's programs one at a time: one resource.
@@ -66,58 +71,35 @@ def issue_order_step(stages: dict, microbatches: int) -> float:
     time in issue order (XLA:CPU) while the exchange's copies run beside them. ``stages``:
     {stream: {layer: seconds per micro-batch}} (:func:`stage_medians`). Per MoE layer the
     pool issues every micro-batch's attention and A2F, then every one's experts and F2A; a
-    program starts when the one before it has finished and its input has arrived."""
-    m, att, ffn = microbatches, stages["attention"], stages["ffn"]
-    dev, ready = 0.0, [0.0] * m
-    for layer in sorted(k for k in att if k != "head"):
-        sent = []
-        for j in range(m):
-            dev = max(dev, ready[j]) + att[layer]
-            sent.append(dev + stages["a2f"][layer])
-        for j in range(m):
-            dev = max(dev, sent[j]) + ffn[layer]
-            ready[j] = dev + stages["f2a"][layer]
-    for j in range(m):
-        dev = max(dev, ready[j]) + att.get("head", 0.0)
-    return dev
+    program starts when the one before it has finished and its input has arrived: the AF
+    program (:func:`pdjax.analysis.overlap.af_program`) with both sides on one resource,
+    scheduled by :func:`pdjax.analysis.streams.schedule`. Each direction's copies run one at
+    a time."""
+    att = stages["attention"]
+    layers = [AFStages(att[k], stages["a2f"][k], stages["ffn"][k], stages["f2a"][k])
+              for k in sorted(k for k in att if k != "head")]
+    spans = schedule(af_program(layers, microbatches, head=att.get("head", 0.0), one_device=True))
+    return max((s.end_s for s in spans), default=0.0)
 
 
-class MeasuredStageCost:
-    """A cost model for :class:`pdjax.sim.AFDStepModel` that answers with measured times:
-    ``t_attn`` and ``t_ffn`` seconds per layer per micro-batch, whatever the batch (the
-    measurement's), over ``num_layers`` layers and ``num_ffn`` FFN ranks."""
-
-    def __init__(self, t_attn: float, t_ffn: float, num_layers: int, num_ffn: int):
-        self.t_attn, self.t_ffn, self.L, self.N = t_attn, t_ffn, num_layers, num_ffn
-
-    def decode_attention_time(self, kv_lens) -> float:
-        """All layers of one micro-batch on an attention rank: L * t_attn."""
-        return self.t_attn * self.L
-
-    def decode_ffn_time(self, num_tokens: int) -> float:
-        """All layers of one micro-batch over the FFN ranks, as the model divides it by N."""
-        return self.t_ffn * self.L * self.N
-
-
-def predict_from_stages(stages: dict, microbatches: int, slots: int, num_attention: int, num_ffn: int,
-                        row_bytes: float) -> dict:
+def predict_from_stages(stages: dict, microbatches: int, slots: int | None = None, num_attention: int | None = None,
+                        num_ffn: int | None = None, row_bytes: float | None = None) -> dict:
     """The models' step times and the analysis conditions from measured ``stages``
-    (:func:`stage_medians`) of an engine with ``slots`` decode slots over ``num_attention``
-    ranks and ``num_ffn`` FFN ranks; ``row_bytes``: A2F bytes of one row per layer."""
+    (:func:`stage_medians`, per layer per micro-batch) of an engine with ``microbatches``
+    micro-batches. ``slots``, ``num_attention``, ``num_ffn`` and ``row_bytes`` describe the
+    engine; the measured stage times already hold their effect, so nothing here uses them."""
     m, moe = microbatches, [k for k in stages["attention"] if k != "head"]
     mean = {st: float(np.mean([stages[st][k] for k in moe])) for st in STREAMS}
     t_a, t_f, t_c = mean["attention"], mean["ffn"], (mean["a2f"] + mean["f2a"]) / 2
-    rows = math.ceil(slots // num_attention / m)       # one micro-batch's rows on an attention rank
-    model = AFDStepModel(MeasuredStageCost(t_a, t_f, len(moe), num_ffn), num_ffn, m,
-                         exchange_bw=rows * row_bytes / max(t_c, 1e-12), num_layers=len(moe),
-                         exchange_bytes=row_bytes)
+    cycle = afd_scheduled_cycle(t_a, t_f, mean["a2f"], m, t_back=mean["f2a"])
     head = stages["attention"].get("head", 0.0)
-    overlap = model.step_time([[1] * (slots // num_attention)] * num_attention) + m * head
+    overlap = len(moe) * cycle + m * head
     min_m = afd_min_microbatches(t_c, t_f) if t_c <= t_f else math.inf
     return {"t_attn_ms": 1e3 * t_a, "t_ffn_ms": 1e3 * t_f, "t_comm_ms": 1e3 * t_c,
             "t_a2f_ms": 1e3 * mean["a2f"], "t_f2a_ms": 1e3 * mean["f2a"], "t_head_ms": 1e3 * head,
             "pingpong_min_m": min_m, "pingpong_hides": m >= min_m,
-            "dbo_hides_ffn": dbo_hides_ffn(t_a, t_f, t_c), "exchange_hidden": exchange_hidden(t_a, t_f, t_c, m),
+            "dbo_hides_ffn": dbo_hides_ffn(t_a, t_f, mean["a2f"] + mean["f2a"]),
+            "exchange_hidden": cycle <= m * max(t_a, t_f) * (1 + 1e-9),
             "step_issue_order_ms": 1e3 * issue_order_step(stages, m), "step_overlap_ms": 1e3 * overlap}
 
 
@@ -197,12 +179,11 @@ def measure_afd(params, cfg, *, attention: int = 4, ffn: int = 4, microbatches=(
                                                  **opts), prompts, new_tokens, timeline=True)
         afd = eng.stats["afd"]
         stages = stage_medians(afd["timeline"], skip_steps=skip)
-        row_bytes = next(iter(afd["a2f_bytes"].values())) / afd["steps"] / slots
         row = {"M": attention, "N": ffn, "m": m, "slots": slots, "steps": afd["steps"],
                "step_measured_ms": 1e3 * decode_step_s(untraced, skip),
                "step_traced_ms": 1e3 * decode_step_s(eng.stats, skip),
                "host_issue_ms": 1e3 * issue_window_s(afd["timeline"], skip),
-               **predict_from_stages(stages, m, slots, attention, ffn, row_bytes)}
+               **predict_from_stages(stages, m)}
         for name in ("issue_order", "overlap"):
             row[f"err_{name}_pct"] = 100 * (row[f"step_{name}_ms"] / row["step_measured_ms"] - 1)
         if base_ms is not None:

@@ -16,7 +16,8 @@ XLA scheduler and backend: the scheduler may reorder the program (XLA:CPU's sche
 is the same as for the halves run one after the other) and XLA:CPU runs collectives
 synchronously. ``overlap_timeline`` predicts the step time with and without DBO from op
 times, on two streams (compute and communication), for the experiment that plots the gain
-against the compute:communication ratio.
+against the compute:communication ratio: it is a view of the one overlap model,
+:func:`pdjax.analysis.overlap.layer_program` scheduled by :func:`pdjax.analysis.streams.schedule`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from pdjax.analysis.opmodel import LayerParts, Part
+from pdjax.analysis.overlap import layer_program
+from pdjax.analysis.streams import schedule
 from pdjax.model import mla
 from pdjax.model import moe as moe_lib
 from pdjax.model.transformer import attention, layer
@@ -97,15 +101,23 @@ def run_layers_dbo(params, cfg, x_BTD, q_pos_BT, kv_layers, start_B, absorbed, e
     return jnp.concatenate(x), new_kv
 
 
-# ---- timeline model ------------------------------------------------------------------------
+# ---- timeline model: a view of the one overlap model (pdjax.analysis.streams) ---------------
+
+_EVENT_KIND = {"a": "A", "d": "D", "e": "E", "c": "C"}      # op name's first letter -> event's
+
 
 def overlap_timeline(t_attn: float, t_experts: float, t_dispatch: float, t_combine: float | None = None,
                      num_layers: int = 1, dbo: bool = True) -> dict:
-    """Predicted step time of ``num_layers`` MoE layers on two streams (compute, comm).
+    """Predicted step time of ``num_layers`` MoE layers on two streams (compute, comm): a view
+    of the one overlap model, :func:`pdjax.analysis.overlap.layer_program` for one
+    micro-batch (``dbo=False``) or two, scheduled by :func:`pdjax.analysis.streams.schedule`
+    (each stream runs its ops in program order, each as early as its inputs allow; no SM
+    contention).
 
     Times are for the whole batch; with DBO each op takes half its time per micro-batch.
-    Each stream runs its ops in program order, each as early as its inputs allow.
-    Returns {"makespan", "compute_busy", "comm_busy", "events": [(stream, name, start, end)]}.
+    Returns {"makespan", "compute_busy", "comm_busy", "events": [(stream, name, start, end)]},
+    events in program order, named by kind (A attention, D dispatch, E experts, C combine),
+    micro-batch and layer: "E1.0" is micro-batch 1's experts in layer 0.
     """
     for name, v in (("t_attn", t_attn), ("t_experts", t_experts), ("t_dispatch", t_dispatch)):
         if not v >= 0:
@@ -115,42 +127,24 @@ def overlap_timeline(t_attn: float, t_experts: float, t_dispatch: float, t_combi
         raise ValueError(f"t_combine must be >= 0, got {t_combine}")
     if not isinstance(num_layers, int) or num_layers <= 0:
         raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
-    mbs = (0, 1) if dbo else (0,)
-    scale = 0.5 if dbo else 1.0
-    free = {"compute": 0.0, "comm": 0.0}
-    done: dict = {}
+    f = 0.5 if dbo else 1.0
+    lp = LayerParts(attn=Part(attention=t_attn * f), experts=Part(gemm=t_experts * f),
+                    dispatch=Part(comm=t_dispatch * f), combine=Part(comm=t_combine * f))
+    spans = schedule(layer_program([lp] * num_layers, 2 if dbo else 1, comm_holds_sms=False))
     events = []
-
-    def run(stream, name, dur, *deps):
-        start = max([free[stream]] + [done[d] for d in deps])
-        end = start + dur * scale
-        free[stream] = done[name] = end
-        events.append((stream, name, start, end))
-
-    prev = {m: None for m in mbs}
-    for l in range(num_layers):
-        order = ([("A", 0), ("D", 0), ("A", 1), ("E", 0), ("D", 1), ("C", 0), ("E", 1), ("C", 1)]
-                 if dbo else [("A", 0), ("D", 0), ("E", 0), ("C", 0)])
-        for kind, m in order:
-            name = f"{kind}{m}.{l}"
-            if kind == "A":
-                run("compute", name, t_attn, *([prev[m]] if prev[m] else []))
-            elif kind == "D":
-                run("comm", name, t_dispatch, f"A{m}.{l}")
-            elif kind == "E":
-                run("compute", name, t_experts, f"D{m}.{l}")
-            else:
-                run("comm", name, t_combine, f"E{m}.{l}")
-                prev[m] = name
-    makespan = max(done.values())
-    busy = {s: sum(e - b for st, _, b, e in events if st == s) for s in free}
-    return {"makespan": makespan, "compute_busy": busy["compute"], "comm_busy": busy["comm"], "events": events}
+    for s in spans:
+        if s.label[0] in _EVENT_KIND:                     # the shared expert (none here) left out
+            layer, mb = s.label[1:].split(".")[:2]
+            events.append((s.stream, f"{_EVENT_KIND[s.label[0]]}{mb}.{layer}", s.start_s, s.end_s))
+    busy = {st: sum((e - b for stream, _, b, e in events if stream == st), 0.0) for st in ("compute", "comm")}
+    return {"makespan": max(s.end_s for s in spans), "compute_busy": busy["compute"], "comm_busy": busy["comm"],
+            "events": events}
 
 
 def dbo_gain(t_compute: float, t_comm: float, attn_share: float = 0.5, num_layers: int = 4) -> float:
     """Predicted speed-up of DBO over serial execution for a compute time split between
     attention (``attn_share``) and experts, and a communication time split evenly between
-    dispatch and combine."""
+    dispatch and combine: the ratio of two :func:`overlap_timeline` makespans."""
     if not 0 <= attn_share <= 1:
         raise ValueError(f"attn_share must be in [0, 1], got {attn_share}")
     args = (t_compute * attn_share, t_compute * (1 - attn_share), t_comm / 2, t_comm / 2, num_layers)

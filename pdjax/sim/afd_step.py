@@ -5,33 +5,73 @@ Per layer and micro-batch: the attention side takes T_a (the slowest attention i
 its 1/m share of the batch), the FFN pool takes T_f (the FFN work of all attention
 instances' micro-batches, expert-parallel over N instances: 1/N of the weights and of the
 tokens each), and each direction of the exchange takes T_c (the micro-batch's hidden states
-over the attention instance's link). A micro-batch's next attention can start only after
-its round trip T_a + T_c + T_f + T_c, while each side serves m micro-batches per layer, so
-one layer of all m micro-batches takes
+over the attention instance's link).
 
-    cycle = max(m * T_a, m * T_f, T_a + T_f + 2 * T_c)
+The model is a program on the one overlap model's streams (:func:`afd_program`:
+:func:`pdjax.analysis.overlap.af_program` scheduled by :func:`pdjax.analysis.streams.schedule`):
+streams "attention", "a2f", "ffn", "f2a", each serving the m micro-batches round-robin, one
+at a time; per layer a micro-batch runs attention -> a2f -> ffn -> f2a, and its next layer's
+attention waits for its f2a. A micro-batch's next attention can start only after its round
+trip T_a + T_c + T_f + T_c, while each side serves m micro-batches per layer, so one layer
+of all m micro-batches takes, in the scheduled steady state (:func:`afd_scheduled_cycle`),
 
-and a decode step of L layers takes L * cycle (pipeline fill and drain left out). With
-T_a = T_f the exchange is hidden exactly when m >= 2 * (1 + T_c / T_f), the bound of
+    cycle = max(m * T_a, m * T_f, m * T_c, T_a + T_f + 2 * T_c)
+
+(:func:`afd_layer_cycle`, the closed form the simulator's event loop uses; the m * T_c term is
+the links, each serving one micro-batch at a time, which binds only when T_c > max(T_a, T_f)
+and m >= 3). tests/sim/test_afd_program.py proves it equal to the schedule over random times
+and m. A decode step of L
+layers takes L * cycle (pipeline fill and drain left out). With T_a = T_f the exchange is
+hidden exactly when m >= 2 * (1 + T_c / T_f), the bound of
 :func:`pdjax.analysis.afd_min_microbatches`.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Optional, Sequence
+
+from pdjax.analysis.overlap import AFStages, af_program
+from pdjax.analysis.streams import Op, schedule
+
+
+def afd_program(t_attn: float, t_ffn: float, t_comm: float, microbatches: int, layers: int, *,
+                t_back: Optional[float] = None) -> list[Op]:
+    """The AF ping-pong of ``microbatches`` micro-batches through ``layers`` layers as a
+    program for :func:`pdjax.analysis.streams.schedule` (see the module docstring): per
+    layer and micro-batch attention ``t_attn``, A2F ``t_comm``, FFN ``t_ffn``, F2A ``t_back``
+    (default ``t_comm``) seconds."""
+    t_back = t_comm if t_back is None else t_back
+    for name, n in (("microbatches", microbatches), ("layers", layers)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"{name} must be a positive integer, got {n!r}")
+    for name, v in (("t_attn", t_attn), ("t_ffn", t_ffn), ("t_comm", t_comm), ("t_back", t_back)):
+        if not (v >= 0 and math.isfinite(v)):
+            raise ValueError(f"{name} must be a finite time >= 0, got {v!r}")
+    return af_program([AFStages(t_attn, t_comm, t_ffn, t_back)] * layers, microbatches)
+
+
+def afd_scheduled_cycle(t_attn: float, t_ffn: float, t_comm: float, microbatches: int, *,
+                        t_back: Optional[float] = None) -> float:
+    """Seconds per layer of the scheduled :func:`afd_program` in its steady state: how much
+    the makespan grows from 2 to 3 layers. (The growth is the same from the first layer on:
+    the ping-pong reaches its steady state at once; tests/sim/test_afd_program.py checks it.)"""
+    ends = [max(s.end_s for s in schedule(afd_program(t_attn, t_ffn, t_comm, microbatches, n, t_back=t_back)))
+            for n in (2, 3)]
+    return ends[1] - ends[0]
 
 
 def afd_layer_cycle(t_attn: float, t_ffn: float, t_comm: float, microbatches: int) -> float:
     """Seconds for one layer of all ``microbatches`` micro-batches (per-micro-batch,
-    per-layer times in; see the module docstring)."""
-    m = microbatches
+    per-layer times in): max(m T_a, m T_f, m T_c, T_a + T_f + 2 T_c), the closed form of
+    :func:`afd_scheduled_cycle` for the simulator's event loop (equal to it: the module docstring)."""
+    m = microbatches                          # checked inline: the event loop calls this every step
     if isinstance(m, bool) or not isinstance(m, int) or m < 1:
         raise ValueError(f"microbatches must be a positive integer, got {m!r}")
     for name, v in (("t_attn", t_attn), ("t_ffn", t_ffn), ("t_comm", t_comm)):
         if not (v >= 0 and math.isfinite(v)):
             raise ValueError(f"{name} must be a finite time >= 0, got {v!r}")
-    return max(m * t_attn, m * t_ffn, t_attn + t_ffn + 2 * t_comm)
+    return max(m * t_attn, m * t_ffn, m * t_comm, t_attn + t_ffn + 2 * t_comm)
 
 
 def exchange_hidden(t_attn: float, t_ffn: float, t_comm: float, microbatches: int) -> bool:

@@ -56,6 +56,22 @@ def test_overlap_model_is_the_simulators_cycle_on_the_measured_stages():
         assert p["pingpong_hides"] == (m >= 3) and p["dbo_hides_ffn"] is False
 
 
+def test_issue_order_copies_of_one_direction_run_one_at_a_time():
+    # one layer, m = 2, A2F 2 > attention 1: A0 0-1, A1 1-2; A2F 1-3 then 3-5 (one link);
+    # F0 3-4, F1 5-6; F2A 4-4.5, 6-6.5
+    one = {"attention": {1: 1.0}, "a2f": {1: 2.0}, "ffn": {1: 1.0}, "f2a": {1: 0.5}}
+    assert afd_measure.issue_order_step(one, 2) == pytest.approx(6.5)
+
+
+def test_dbo_condition_takes_the_exchanges_round_trip():
+    # T_a = 2, T_f = 1, A2F = F2A = 0.75: the round trip 1 + 1.5 > 2 does not fit under the
+    # other micro-batch's attention (the scheduled m = 2 cycle is 4.5 > 2 T_a)
+    stages = {"attention": {1: 2.0}, "a2f": {1: 0.75}, "ffn": {1: 1.0}, "f2a": {1: 0.75}}
+    p = afd_measure.predict_from_stages(stages, 2)
+    assert p["dbo_hides_ffn"] is False and p["exchange_hidden"] is False
+    assert p["step_overlap_ms"] == pytest.approx(1e3 * 4.5)
+
+
 def test_simulated_speedup_is_the_throughput_ratio_per_accelerator():
     hw, sweep = afd_ratio.Hardware(), afd_ratio.Sweep()
     rows, notes = afd_ratio.sim_rows(pdjax.configs.deepseek_v3(), hw, sweep)
