@@ -24,8 +24,13 @@ def serve(pdjax, params, cfg, tokens, mesh, steps=4):
 
 def main(mode: str, out: str) -> None:
     print("pid", os.getpid(), flush=True)
-    if mode == "startup":
-        sys.exit(3)                               # dies before joining the cluster
+    if mode == "startup":                         # dies before joining the cluster, once every
+        me = os.environ["PDJAX_PROCESS_ID"]       # process has printed its pid (on a loaded machine
+        open(os.path.join(out, f"started{me}"), "w").close()   # the first exit could otherwise
+        deadline = time.monotonic() + 30          # kill the other before it prints)
+        while len([f for f in os.listdir(out) if f.startswith("started")]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        sys.exit(3)
     import jax
     import numpy as np
 
