@@ -147,8 +147,10 @@ class Profile:
     def overlap_s(self) -> float:
         """Seconds during which some compute stream and some communication stream both run a kernel."""
         comm = set(self.comm_streams)
-        return _intersection_s(_merged(s for s in self.spans if s.stream not in comm),
-                               _merged(s for s in self.spans if s.stream in comm))
+        compute = [s for s in self.spans if s.stream not in comm]
+        communication = [s for s in self.spans if s.stream in comm]
+        # |compute & comm| = |compute| + |comm| - |compute | comm|, each a union of intervals
+        return busy_time(compute) + busy_time(communication) - busy_time(self.spans)
 
     def group_spans(self) -> dict:
         """{(annotation name, occurrence index): [Span]} for every annotation occurrence in
@@ -327,29 +329,6 @@ def _without_wrappers(annotations) -> list:
             wrapper.add(stack[-1])
         stack.append(i)
     return [a for i, a in enumerate(ordered) if i not in wrapper and not PROFILER_STEP.fullmatch(a[2])]
-
-
-def _merged(spans) -> list:
-    """The union of ``spans`` as sorted, disjoint (start_s, end_s) intervals."""
-    out = []
-    for s in sorted(spans, key=lambda s: s.start_s):
-        if out and s.start_s <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], s.end_s)
-        else:
-            out.append([s.start_s, s.end_s])
-    return out
-
-
-def _intersection_s(a, b) -> float:
-    """Seconds covered by both of two lists of sorted, disjoint intervals."""
-    total, i, j = 0.0, 0, 0
-    while i < len(a) and j < len(b):
-        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
 
 
 def _stream_order(stream: str) -> tuple:
