@@ -30,7 +30,7 @@ from pdjax.analysis.opmodel import (LayerParts, Part, a2a_parts, attention_part,
                                     moe_parts)
 from pdjax.analysis.overlap import layer_program, run
 from pdjax.analysis.routing import route_stats
-from pdjax.analysis.streams import OP_CLASSES, class_times, makespan
+from pdjax.analysis.streams import class_times, makespan
 from pdjax.arguments import check_fraction, check_int
 from pdjax.config import ModelConfig
 
@@ -113,6 +113,16 @@ class Deployment:
         return self.model.n_routed_experts + self.redundant_experts
 
     @property
+    def microbatches(self) -> int:
+        """Micro-batches a step is split into: 2 with two-batch overlap, else 1."""
+        return 2 if self.overlap == "tbo" else 1
+
+    @property
+    def decode_kv_len(self) -> int:
+        """KV length a decode request attends to on average: input + half the output."""
+        return self.input_len + self.output_len // 2
+
+    @property
     def tokens_per_request(self) -> int:
         """Tokens a decode request runs per step: 1, or 2 with MTP (the draft verified)."""
         return 2 if self.mtp is not None else 1
@@ -151,9 +161,8 @@ def predict(d: Deployment) -> Prediction:
 def _predict(d: Deployment, a2a_factor: float) -> Prediction:
     """:func:`predict` with the all-to-all ``a2a_factor`` times its unit time."""
     km = KernelModel(d.hardware, d.gemm_kernels)
-    cfg = d.model
     batch, notes = memory_fit.saturation_batch(d) if d.batch_per_gpu is None else (d.batch_per_gpu, ())
-    m = 2 if d.overlap == "tbo" else 1
+    m = d.microbatches
     if d.role == "prefill":
         tokens = batch
         computed = max(1, round(tokens * (1 - d.cache_hit_rate)))
@@ -161,8 +170,7 @@ def _predict(d: Deployment, a2a_factor: float) -> Prediction:
         mb_tokens = sum(q for q, _ in per_mb[0])
     else:
         tokens = batch * d.tokens_per_request
-        kv = d.input_len + d.output_len // 2
-        per_mb = [[(d.tokens_per_request, kv)] * (batch // m + (i < batch % m)) for i in range(m)]
+        per_mb = [[(d.tokens_per_request, d.decode_kv_len)] * (batch // m + (i < batch % m)) for i in range(m)]
         mb_tokens = max(len(r) for r in per_mb) * d.tokens_per_request
     parts, imbalance = _layer_parts(km, d, per_mb[0], mb_tokens, a2a_factor)
     spans = run(layer_program(parts, m, comm_holds_sms=d.role == "prefill"),
@@ -185,13 +193,12 @@ def _prefill_chunks(d: Deployment, computed: int) -> list:
     equal tokens (DeepSeek balances attention between them, splitting a prompt if needed)."""
     q_len = max(1, round(d.input_len * (1 - d.cache_hit_rate)))
     c_len = d.input_len - q_len
-    m = 2 if d.overlap == "tbo" else 1
-    per = computed / q_len / m                  # prompts per micro-batch
+    per = computed / q_len / d.microbatches     # prompts per micro-batch
     whole = int(per)
     chunks = [(q_len, c_len)] * whole
     if per - whole > 1e-9:                      # the share of a prompt split between micro-batches
         chunks.append((max(1, round(q_len * (per - whole))), c_len))
-    return [chunks] * m
+    return [chunks] * d.microbatches
 
 
 def _layer_parts(km, d: Deployment, reqs, tokens: int, a2a_factor: float) -> tuple[list, float]:
@@ -223,7 +230,7 @@ def _step_tail(km, d: Deployment, batch: int) -> Part:
         return lm_head_part(km, cfg, max(1, batch // d.input_len))
     tail = lm_head_part(km, cfg, batch * d.tokens_per_request)
     if d.mtp is not None:
-        attn = attention_part(km, cfg, decode=[(1, d.input_len + d.output_len // 2)] * batch, weight_dtype=d.weight_dtype)
+        attn = attention_part(km, cfg, decode=[(1, d.decode_kv_len)] * batch, weight_dtype=d.weight_dtype)
         shared, experts = moe_parts(km, cfg, batch, ep=d.ep, slots=d.slots, imbalance=1.0, weight_dtype=d.weight_dtype)
         tail = tail + attn + shared + experts + lm_head_part(km, cfg, batch)
     return tail
@@ -233,13 +240,13 @@ def _step_tail(km, d: Deployment, batch: int) -> Part:
 # The two numbers DeepSeek's inference profiles calibrate, each solved so that pdjax
 # predicts the profile's throughput (lm-sys blog 2025-05-05, 'Profile Results', column
 # 'DeepSeek Profile'; :data:`pdjax.analysis.calibration.DEEPSEEK_PROFILE`):
-# 
+#
 # * :func:`comm_factor` ("prefill"): how much longer DeepEP's normal kernels take inside
 #   DeepSeek's two-micro-batch prefill than in their unit benchmark (SGLang's blog: "both
 #   DeepSeek and SGLang have a communication time slower than unit test results");
 # * :func:`comm_factor` ("decode"): the same for the low-latency kernels inside DeepSeek's
 #   two-micro-batch decode (the blog: dispatch and combine "busy-waiting for data").
-# 
+#
 # Everything else in the prediction of those profiles comes from the kernel tables and
 # train.json, so reproducing them is a consistency check of one parameter each, in sample.
 

@@ -48,7 +48,7 @@ def saturation_batch(d) -> tuple[int, tuple]:
     if free <= 0:
         raise ValueError(f"the weights ({weight_bytes_per_gpu(d) / 1e9:.1f} GB per GPU) do not fit "
                          f"{d.hardware.name}'s {hbm / 1e9:.0f} GB at ep={d.ep}")
-    m = 2 if d.overlap == "tbo" else 1
+    m = d.microbatches
     if d.role == "decode":
         kernel = LL_TOKENS_PER_MICROBATCH * m // d.tokens_per_request
         memory = int(free // (kv_bytes_per_token(d.model, 2) * (d.input_len + d.output_len)))
