@@ -37,22 +37,29 @@ from pdjax.config import ModelConfig
 TRACE_KERNELS = "deepgemm-2025-02"
 
 
-def _weight_gemms(km: KernelModel, cfg: ModelConfig, tokens: int, ep: int, slots: int, imbalance: float,
-                  transpose: bool) -> float:
-    """Seconds of one layer's projection and expert GEMMs (forward shapes, or with N and K
-    swapped for the input gradients)."""
+def _swap(transpose: bool):
+    return (lambda n, k: (k, n)) if transpose else (lambda n, k: (n, k))
+
+
+def _dense_gemms(km: KernelModel, cfg: ModelConfig, tokens: int, transpose: bool) -> float:
+    """Seconds of one layer's MLA projection and shared-expert GEMMs (forward shapes, or with
+    N and K swapped for the input gradients)."""
     H, Cr, R = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     nope, v, hid, q = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.hidden_size, cfg.q_lora_rank
     inter = cfg.moe_intermediate_size
     dense = [(q + Cr + R, hid), (H * (nope + R), q), (H * (nope + v), Cr), (hid, H * v),
              (2 * inter * cfg.n_shared_experts, hid), (hid, inter * cfg.n_shared_experts)]
-    sw = (lambda n, k: (k, n)) if transpose else (lambda n, k: (n, k))
-    t = sum(km.gemm(tokens, *sw(n, k)) for n, k in dense)
+    sw = _swap(transpose)
+    return sum(km.gemm(tokens, *sw(n, k)) for n, k in dense)
+
+
+def _expert_gemms(km: KernelModel, cfg: ModelConfig, tokens: int, ep: int, slots: int, transpose: bool) -> float:
+    """Seconds of one layer's routed-expert GEMMs on one GPU (grouped over its slots)."""
+    hid, inter = cfg.hidden_size, cfg.moe_intermediate_size
     local = slots // ep
-    rows = tokens * cfg.num_experts_per_tok * imbalance / local
-    for n, k in ((2 * inter, hid), (hid, inter)):
-        t += km.gemm(rows, *sw(n, k), groups=local, grouped=True)
-    return t
+    rows = tokens * cfg.num_experts_per_tok / local
+    sw = _swap(transpose)
+    return sum(km.gemm(rows, *sw(n, k), groups=local, grouped=True) for n, k in ((2 * inter, hid), (hid, inter)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,7 +68,9 @@ def wgrad_speed() -> float:
     on DeepSeek's Feb 2025 kernels, from train.json (its mlp(W) and attn(W) GEMM time)."""
     raw, cfg = C.TRAIN_PROFILE_RAW, configs.deepseek_v3()
     km = KernelModel("h800", TRACE_KERNELS)
-    model = raw["layers"] * _weight_gemms(km, cfg, raw["tokens"], 64, cfg.n_routed_experts, 1.0, False)
+    tokens = raw["tokens"]
+    model = raw["layers"] * (_dense_gemms(km, cfg, tokens, False)
+                             + _expert_gemms(km, cfg, tokens, 64, cfg.n_routed_experts, False))
     return model / (raw["wgrad_us"] * 1e-6)
 
 
@@ -114,20 +123,18 @@ def predict_train_pair(cfg: ModelConfig, hw="h800", *, layers: int = 4, tokens: 
     H, Cr, nope, R, v = (cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
                          cfg.qk_rope_head_dim, cfg.v_head_dim)
     recompute = km.gemm(tokens, H * (nope + R), cfg.q_lora_rank) + km.gemm(tokens, H * (nope + v), Cr)
-    dgrad = _weight_gemms(km, cfg, tokens, ep, slots, 1.0, True)
-    routed_dgrad = dgrad - _weight_gemms(km, cfg, tokens, ep, ep, 0.0, True)     # experts only
+    dense_dgrad, routed_dgrad = _dense_gemms(km, cfg, tokens, True), _expert_gemms(km, cfg, tokens, ep, slots, True)
     other_b = (raw["class_us"]["other"] - raw["other_fwd_us"]) * 1e-6 / raw["layers"] * tokens / raw["tokens"]
     other_b /= km.hbm_scale
-    fwd_w = _weight_gemms(km, cfg, tokens, ep, slots, 1.0, False)
-    routed_w = fwd_w - _weight_gemms(km, cfg, tokens, ep, ep, 0.0, False)
+    dense_w, routed_w = _dense_gemms(km, cfg, tokens, False), _expert_gemms(km, cfg, tokens, ep, slots, False)
     w = 1.0 / wgrad_speed()
     parts = PairParts(
         attn_f=attn_f, mlp_f=shared + experts, dispatch_f=disp, combine_f=comb,
-        attn_b=Part(gemm=dgrad - routed_dgrad + recompute,
+        attn_b=Part(gemm=dense_dgrad + recompute,
                     attention=km.attention_prefill(causal_attention_flops(cfg, chunks), backward=True),
                     other=other_b / 2),
         mlp_b=Part(gemm=routed_dgrad, other=other_b / 2),
         combine_b=disp, dispatch_b=comb,
-        attn_w=Part(gemm=(fwd_w - routed_w) * w), mlp_w=Part(gemm=routed_w * w))
+        attn_w=Part(gemm=dense_w * w), mlp_w=Part(gemm=routed_w * w))
     spans = run(dualpipe_pair_program([parts] * layers), comm_sm_share=cal["comm_sm_share"])
     return PairPrediction(spans, class_times(spans), makespan(spans))
