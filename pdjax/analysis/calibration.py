@@ -47,8 +47,9 @@ class GemmPoint:
     speedup: float
 
 
-#: DeepGEMM FP8 GEMMs on H800, April 2025 (normal, grouped contiguous, grouped masked).
-DEEPGEMM_2025_04 = (
+#: DeepGEMM FP8 GEMMs on H800 that its April 2025 update left as they were in February
+#: (the M = 64 and 128 normal rows and the masked grouped rows, identical in both READMEs).
+_DEEPGEMM_UNCHANGED = (
     GemmPoint("normal", 1, 64, 2112, 7168, 206, 1688, 2.7),
     GemmPoint("normal", 1, 64, 24576, 1536, 289, 2455, 1.7),
     GemmPoint("normal", 1, 64, 32768, 512, 219, 2143, 1.8),
@@ -61,6 +62,15 @@ DEEPGEMM_2025_04 = (
     GemmPoint("normal", 1, 128, 7168, 16384, 645, 2604, 1.4),
     GemmPoint("normal", 1, 128, 4096, 7168, 533, 2221, 2.0),
     GemmPoint("normal", 1, 128, 7168, 2048, 510, 2277, 1.7),
+    GemmPoint("masked", 1, 1024, 4096, 7168, 1233, 924, 1.2),
+    GemmPoint("masked", 1, 1024, 7168, 2048, 925, 968, 1.2),
+    GemmPoint("masked", 2, 512, 4096, 7168, 1040, 1288, 1.2),
+    GemmPoint("masked", 2, 512, 7168, 2048, 916, 1405, 1.2),
+    GemmPoint("masked", 4, 256, 4096, 7168, 932, 2064, 1.1),
+    GemmPoint("masked", 4, 256, 7168, 2048, 815, 2047, 1.2),
+)
+#: DeepGEMM FP8 GEMMs on H800, April 2025 (normal, grouped contiguous, grouped masked).
+DEEPGEMM_2025_04 = _DEEPGEMM_UNCHANGED + (
     GemmPoint("normal", 1, 4096, 2112, 7168, 1127, 562, 1.2),
     GemmPoint("normal", 1, 4096, 24576, 1536, 1212, 962, 1.2),
     GemmPoint("normal", 1, 4096, 32768, 512, 775, 1620, 1.2),
@@ -71,28 +81,10 @@ DEEPGEMM_2025_04 = (
     GemmPoint("contiguous", 4, 8192, 7168, 2048, 1214, 752, 1.3),
     GemmPoint("contiguous", 8, 4096, 4096, 7168, 1346, 516, 1.3),
     GemmPoint("contiguous", 8, 4096, 7168, 2048, 1214, 826, 1.2),
-    GemmPoint("masked", 1, 1024, 4096, 7168, 1233, 924, 1.2),
-    GemmPoint("masked", 1, 1024, 7168, 2048, 925, 968, 1.2),
-    GemmPoint("masked", 2, 512, 4096, 7168, 1040, 1288, 1.2),
-    GemmPoint("masked", 2, 512, 7168, 2048, 916, 1405, 1.2),
-    GemmPoint("masked", 4, 256, 4096, 7168, 932, 2064, 1.1),
-    GemmPoint("masked", 4, 256, 7168, 2048, 815, 2047, 1.2),
 )
 #: DeepGEMM's first release, February 2025 (same shapes; its speedups give DeepSeek's
 #: internal kernels of the time, which its February 2025 profiles ran).
-DEEPGEMM_2025_02 = (
-    GemmPoint("normal", 1, 64, 2112, 7168, 206, 1688, 2.7),
-    GemmPoint("normal", 1, 64, 24576, 1536, 289, 2455, 1.7),
-    GemmPoint("normal", 1, 64, 32768, 512, 219, 2143, 1.8),
-    GemmPoint("normal", 1, 64, 7168, 16384, 336, 2668, 1.4),
-    GemmPoint("normal", 1, 64, 4096, 7168, 287, 2320, 1.4),
-    GemmPoint("normal", 1, 64, 7168, 2048, 295, 2470, 1.7),
-    GemmPoint("normal", 1, 128, 2112, 7168, 352, 1509, 2.4),
-    GemmPoint("normal", 1, 128, 24576, 1536, 535, 2448, 1.6),
-    GemmPoint("normal", 1, 128, 32768, 512, 358, 2103, 1.5),
-    GemmPoint("normal", 1, 128, 7168, 16384, 645, 2604, 1.4),
-    GemmPoint("normal", 1, 128, 4096, 7168, 533, 2221, 2.0),
-    GemmPoint("normal", 1, 128, 7168, 2048, 510, 2277, 1.7),
+DEEPGEMM_2025_02 = _DEEPGEMM_UNCHANGED + (
     GemmPoint("normal", 1, 4096, 2112, 7168, 1058, 527, 1.1),
     GemmPoint("normal", 1, 4096, 24576, 1536, 990, 786, 1.0),
     GemmPoint("normal", 1, 4096, 32768, 512, 590, 1232, 1.0),
@@ -103,12 +95,6 @@ DEEPGEMM_2025_02 = (
     GemmPoint("contiguous", 4, 8192, 7168, 2048, 1099, 681, 1.2),
     GemmPoint("contiguous", 8, 4096, 4096, 7168, 1288, 494, 1.2),
     GemmPoint("contiguous", 8, 4096, 7168, 2048, 1093, 743, 1.1),
-    GemmPoint("masked", 1, 1024, 4096, 7168, 1233, 924, 1.2),
-    GemmPoint("masked", 1, 1024, 7168, 2048, 925, 968, 1.2),
-    GemmPoint("masked", 2, 512, 4096, 7168, 1040, 1288, 1.2),
-    GemmPoint("masked", 2, 512, 7168, 2048, 916, 1405, 1.2),
-    GemmPoint("masked", 4, 256, 4096, 7168, 932, 2064, 1.1),
-    GemmPoint("masked", 4, 256, 7168, 2048, 815, 2047, 1.2),
 )
 #: The GEMM kernel sets a deployment can name: (table, whether to divide by the speedup, source).
 GEMM_KERNELS = {
