@@ -295,17 +295,22 @@ def render() -> str:
     return "\n".join(out)
 
 
-def main(argv: list[str]) -> int:
-    text = render()
+def write_or_check(output: str, text: str, argv: list[str], script: str) -> int:
+    """Write ``text`` to ``output``, or with ``--check`` in ``argv`` exit status 1 if the file
+    differs from it (the generated pages' entry point; ``script`` names the generator)."""
     if "--check" in argv:
-        with open(OUTPUT) as f:
+        with open(output) as f:
             stale = f.read() != text
-        print(f"{os.path.relpath(OUTPUT)} is {'stale: run docs/make_reproductions.py' if stale else 'up to date'}")
+        print(f"{os.path.relpath(output)} is {f'stale: run {script}' if stale else 'up to date'}")
         return int(stale)
-    with open(OUTPUT, "w") as f:
+    with open(output, "w") as f:
         f.write(text)
-    print(f"wrote {os.path.relpath(OUTPUT)}")
+    print(f"wrote {os.path.relpath(output)}")
     return 0
+
+
+def main(argv: list[str]) -> int:
+    return write_or_check(OUTPUT, render(), argv, "docs/make_reproductions.py")
 
 
 if __name__ == "__main__":

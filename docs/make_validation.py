@@ -77,17 +77,9 @@ def render() -> str:
 
 
 def main(argv: list[str]) -> int:
-    sys.path.insert(0, os.path.dirname(HERE))
-    text = render()
-    if "--check" in argv:
-        with open(OUTPUT) as f:
-            stale = f.read() != text
-        print(f"{os.path.relpath(OUTPUT)} is {'stale: run docs/make_validation.py' if stale else 'up to date'}")
-        return int(stale)
-    with open(OUTPUT, "w") as f:
-        f.write(text)
-    print(f"wrote {os.path.relpath(OUTPUT)}")
-    return 0
+    sys.path[:0] = [os.path.dirname(HERE), HERE]
+    from make_reproductions import write_or_check
+    return write_or_check(OUTPUT, render(), argv, "docs/make_validation.py")
 
 
 if __name__ == "__main__":
