@@ -13,9 +13,9 @@ import math
 import os
 from typing import Any, Mapping, Optional
 
-from pdjax.arguments import ArgumentTypeError, check_int, check_number
+from pdjax.arguments import ArgumentTypeError, check_int
 
-from pdjax.config_checks import SCORING_FUNCS, TOPK_METHODS, check_types, validate  # noqa: F401 - public names
+from pdjax.config_checks import SCORING_FUNCS, TOPK_METHODS, check_finite, check_types, real, validate  # noqa: F401 - public names
 
 # Precision: the dtypes params, activations and the latent cache may take (canonical names,
 # as numpy/ml_dtypes spell them), and the short names accepted for them.
@@ -57,8 +57,10 @@ class RopeScaling:
     rope_type: str = "yarn"
 
     def __post_init__(self):
-        for name in ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
-            object.__setattr__(self, name, float(check_number(f"rope_scaling.{name}", getattr(self, name))))
+        for f in dataclasses.fields(self):
+            if f.type == "float":
+                object.__setattr__(self, f.name, real(f"rope_scaling.{f.name}", getattr(self, f.name)))
+        check_finite(self, "rope_scaling")
         object.__setattr__(self, "original_max_position_embeddings",
                            check_int("rope_scaling.original_max_position_embeddings",
                                      self.original_max_position_embeddings))
@@ -239,29 +241,58 @@ def _rope_scaling_from_dict(d: dict) -> RopeScaling:
 _FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
 
 
+def _hf_scaling(value, key: str) -> Optional[RopeScaling]:
+    """The RopeScaling a config.json's ``rope_scaling`` or ``rope_parameters`` (``key``)
+    gives: None for null or a "default" rope type."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"config.json {key} must be an object or null, got {value!r}")
+    if value.get("rope_type", value.get("type")) in (None, "default"):
+        return None
+    return _rope_scaling_from_dict(dict(value))
+
+
+def _rope_summary(rs: Optional[RopeScaling]) -> dict:
+    return {"rope_type": "default"} if rs is None else rs.to_dict()
+
+
+def _hf_rope(d: dict) -> tuple[Optional[RopeScaling], Any]:
+    """(rope scaling, rope_theta) of a config.json: ``rope_scaling`` + ``rope_theta``, or the
+    newer ``rope_parameters`` (which holds its own ``rope_theta``). A file holding both forms
+    must hold the same values in each: a contradiction is a ValueError naming both keys."""
+    scaling, theta = _hf_scaling(d.get("rope_scaling"), "rope_scaling"), d.get("rope_theta")
+    params = d.get("rope_parameters")
+    if params is None:
+        return scaling, theta
+    new = _hf_scaling(params, "rope_parameters")
+    new_theta = params.get("rope_theta", theta)
+    if d.get("rope_scaling") is not None and new != scaling:
+        old_d, new_d = _rope_summary(scaling), _rope_summary(new)
+        keys = ["rope_type"] if old_d["rope_type"] != new_d["rope_type"] else [k for k in old_d if old_d[k] != new_d[k]]
+        diff = "; ".join(f"{k}: {old_d.get(k)!r} vs {new_d.get(k)!r}" for k in keys)
+        raise ValueError(f"config.json holds rope_scaling and rope_parameters that disagree (rope_scaling vs "
+                         f"rope_parameters: {diff}); keep one of them, or make them agree")
+    if theta is not None and new_theta != theta and not (new_theta != new_theta and theta != theta):
+        raise ValueError(f"config.json holds rope_theta={theta!r} and rope_parameters.rope_theta={new_theta!r}, "
+                         "which disagree; keep one of them, or make them agree")
+    return new, new_theta
+
+
 def from_hf_dict(d: Mapping[str, Any]) -> ModelConfig:
     """Build a ModelConfig from a HF config.json dict (``rope_scaling`` + ``rope_theta``,
-    or the newer ``rope_parameters``). Unknown keys are ignored; bad values raise ValueError."""
+    or the newer ``rope_parameters``; both forms may be given only if they agree). Unknown
+    keys are ignored; bad values raise ValueError."""
     if not isinstance(d, Mapping):
         raise ValueError(f"config.json must hold a JSON object, got {type(d).__name__}")
     d = dict(d)
     model_type = d.get("model_type", "deepseek_v3")
     if model_type not in ("deepseek_v2", "deepseek_v3"):
         raise ValueError(f"config.json model_type must be deepseek_v2 or deepseek_v3, got {model_type!r}")
-    rope_params = d.get("rope_parameters")
-    rope_scaling = d.get("rope_scaling")
-    rope_theta = d.get("rope_theta")
-    if isinstance(rope_params, Mapping):
-        rope_theta = rope_params.get("rope_theta", rope_theta)
-        kind = rope_params.get("rope_type", rope_params.get("type", "default"))
-        rope_scaling = dict(rope_params) if kind not in (None, "default") else None
-    if isinstance(rope_scaling, Mapping):
-        kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
-        if kind in (None, "default"):
-            rope_scaling = None
+    rope_scaling, rope_theta = _hf_rope(d)
     kwargs = {k: v for k, v in d.items() if k in _FIELDS}
     kwargs["model_type"] = model_type
-    kwargs["rope_scaling"] = _rope_scaling_from_dict(rope_scaling) if rope_scaling else None
+    kwargs["rope_scaling"] = rope_scaling
     if rope_theta is not None:
         kwargs["rope_theta"] = rope_theta
     if kwargs.get("n_routed_experts") is None:

@@ -1,10 +1,19 @@
 """The checks of :class:`pdjax.config.ModelConfig`, made on construction: every field of its
 type (:func:`check_types`), then ranges and relations between fields (:func:`validate`).
-Each raises naming the field."""
+Each raises naming the field.
+
+Finiteness is checked in one place, :func:`check_finite`: a walk over every float reachable
+from the config (its fields, a nested dataclass such as ``rope_scaling``, a dict's or a
+list's values), so a float field added later is covered without being listed anywhere."""
 
 from __future__ import annotations
 
-from pdjax.arguments import ArgumentTypeError, check_int, check_number
+import dataclasses
+import math
+import numbers
+from typing import Iterator, Mapping
+
+from pdjax.arguments import ArgumentTypeError, check_int
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -18,11 +27,48 @@ BOOL_FIELDS = ("norm_topk_prob", "tie_word_embeddings")
 STR_FIELDS = ("scoring_func", "topk_method", "model_type")
 
 
+def float_fields(obj, where: str) -> Iterator[tuple[str, float]]:
+    """``(path, value)`` of every float reachable from ``obj``: a dataclass's fields, a
+    mapping's values, a list's or tuple's items, recursively (``"ModelConfig.rope_scaling.
+    mscale"``); integers and bools are not floats."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from float_fields(getattr(obj, f.name), f"{where}.{f.name}")
+    elif isinstance(obj, Mapping):
+        for k, v in obj.items():
+            yield from float_fields(v, f"{where}.{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from float_fields(v, f"{where}[{i}]")
+    elif isinstance(obj, numbers.Real) and not isinstance(obj, numbers.Integral):
+        yield where, obj
+
+
+def check_finite(obj, where: str) -> None:
+    """The one finiteness check of a config: every float :func:`float_fields` reaches is
+    finite; a NaN or an infinity is a ValueError naming its path and value."""
+    for path, value in float_fields(obj, where):
+        if not math.isfinite(value):
+            raise ValueError(f"{path} must be finite, got {value!r}")
+
+
+def real(name: str, value) -> float:
+    """``value`` as a float if it is a real number (numpy scalars too; not a bool, not a
+    string): its type only, finiteness is :func:`check_finite`'s. A Python int too large
+    for a float becomes inf (refused there)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ArgumentTypeError(f"{name} must be a real number, got {value!r}")
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
+
+
 def check_types(cfg) -> None:
     """Every field of its type, never coerced: integers (numpy integers too, stored as int;
-    not floats such as 8.0, not bools), finite reals (stored as float; not NaN or inf, not
-    strings), bools (not the string "false"), strings. ArgumentTypeError (a TypeError and a
-    ValueError) or ValueError naming the field; ranges and relations are :func:`validate`'s."""
+    not floats such as 8.0, not bools), reals (stored as float; not strings, not bools),
+    bools (not the string "false"), strings. ArgumentTypeError (a TypeError and a
+    ValueError) naming the field; finiteness, ranges and relations are :func:`validate`'s."""
     import numpy as np
 
     def put(name, value):
@@ -33,7 +79,7 @@ def check_types(cfg) -> None:
     if cfg.q_lora_rank is not None:
         put("q_lora_rank", check_int("ModelConfig.q_lora_rank", cfg.q_lora_rank, minimum=None))
     for name in FLOAT_FIELDS:
-        put(name, float(check_number(f"ModelConfig.{name}", getattr(cfg, name))))
+        put(name, real(f"ModelConfig.{name}", getattr(cfg, name)))
     for name in BOOL_FIELDS:
         value = getattr(cfg, name)
         if not isinstance(value, (bool, np.bool_)):
@@ -52,7 +98,10 @@ def _positive(cfg, names):
 
 
 def validate(cfg) -> None:
-    """Raise ValueError naming the first inconsistent field."""
+    """Raise ValueError naming the first inconsistent field: first any float that is not
+    finite (:func:`check_finite`, over every field and nested part), then ranges and
+    relations."""
+    check_finite(cfg, "ModelConfig")
     _positive(cfg, ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                     "max_position_embeddings", "moe_layer_freq"])

@@ -8,6 +8,7 @@ Each entry point has its good arguments and, per argument, a strategy of values 
 refuse; hypothesis picks an argument and a bad value (derandomized: CI sees the same
 examples). The cases the issue found are among the explicit examples."""
 
+import dataclasses
 import math
 import pathlib
 
@@ -19,7 +20,7 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 import pdjax
 import pdjax.pipeline as pp
 from pdjax import analysis, sim
-from pdjax.config_checks import BOOL_FIELDS, FLOAT_FIELDS, INT_FIELDS, STR_FIELDS
+from pdjax.config_checks import BOOL_FIELDS, FLOAT_FIELDS, INT_FIELDS, STR_FIELDS, float_fields
 from pdjax.schedules.generators import GENERATORS
 
 SETTINGS = settings(max_examples=150, deadline=None, derandomize=True,
@@ -68,7 +69,9 @@ FIELD_VALUES = {
     "compute_dtype": st.sampled_from(["int32", "float64", "", 1.5]),
     "rope_scaling": st.sampled_from([{"type": "yarn", "factor": math.nan}, {"type": "yarn", "factor": None},
                                      {"type": "yarn", "factr": 40}, {"type": "yarn", "factor": "40"},
-                                     {"type": "yarn", "mscale_all_dim": math.inf}, {"type": "linear", "factor": 2},
+                                     {"type": "yarn", "mscale_all_dim": math.inf}, {"type": "yarn", "mscale": math.nan},
+                                     {"type": "yarn", "beta_fast": -math.inf}, {"type": "yarn", "beta_slow": math.nan},
+                                     {"type": "linear", "factor": 2},
                                      [1, 2], "yarn"]),
 }
 
@@ -86,6 +89,37 @@ def test_every_config_field_refuses_bad_values(compile_counter, data):
     field = data.draw(st.sampled_from(sorted(FIELD_VALUES)), label="field")
     value = data.draw(FIELD_VALUES[field], label="value")
     refused(compile_counter, lambda: pdjax.configs.tiny(**{field: value}), field)
+
+
+def _replaced(obj, parts, value):
+    inner = value if len(parts) == 1 else _replaced(getattr(obj, parts[0]), parts[1:], value)
+    return dataclasses.replace(obj, **{parts[0]: inner})
+
+
+def _annotated_floats(obj, where):
+    """Paths of the fields annotated float in the dataclass ``obj``, at any depth (found without
+    the walk under test)."""
+    out = []
+    for f in dataclasses.fields(obj):
+        if f.type in ("float", "Optional[float]", "float | None"):
+            out.append(f"{where}.{f.name}")
+        elif dataclasses.is_dataclass(getattr(obj, f.name)):
+            out += _annotated_floats(getattr(obj, f.name), f"{where}.{f.name}")
+    return out
+
+
+FULL_CFG = pdjax.configs.deepseek_v3()      # rope_scaling present: every float of a config reachable
+FLOAT_PATHS = sorted({p for p, _ in float_fields(FULL_CFG, "ModelConfig")} | set(_annotated_floats(FULL_CFG, "ModelConfig")))
+
+
+@SETTINGS
+@given(path=st.sampled_from(FLOAT_PATHS), value=NON_FINITE)
+def test_every_float_of_a_config_refuses_non_finite(compile_counter, path, value):
+    """Every float reachable from a config (found by the walk the validation makes and from the
+    fields' annotations, so a new field is drawn here without being listed), at any depth,
+    refuses NaN and inf naming it."""
+    field = path.removeprefix("ModelConfig.")
+    refused(compile_counter, lambda: _replaced(FULL_CFG, field.split("."), value), field)
 
 
 # ---- the model's entry points ------------------------------------------------------------------

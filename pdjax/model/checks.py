@@ -162,6 +162,10 @@ def check_params(params, cfg: ModelConfig) -> None:
         raise TypeError(f"params must be the dict init_params / load_hf give, got {type(params).__name__}")
     ref = _reference(cfg)
     if layer_scan.is_stacked(params):
+        held = _stacked_layers(params)
+        if held is not None and held != cfg.num_hidden_layers:
+            raise ValueError(f"params['layer_runs'] hold {held} layers in all, cfg gives {cfg.num_hidden_layers} "
+                             "(cfg.num_hidden_layers)")
         layer_scan.check_stacked(params, cfg)
         _compare({k: v for k, v in params.items() if k != "layer_runs"},
                  {k: v for k, v in ref.items() if k != "layers"}, "params")
@@ -171,6 +175,20 @@ def check_params(params, cfg: ModelConfig) -> None:
     else:
         _compare(params, ref, "params")
     _CHECKED.add(key)
+
+
+def _stacked_layers(params) -> int | None:
+    """The layers stacked params hold in all: the sum of each run's leading dimension (None
+    when a run's leaves disagree on it, which :func:`layer_scan.check_stacked` names)."""
+    stacks, total = params["layer_runs"], 0
+    if not isinstance(stacks, (list, tuple)):
+        return None
+    for stack in stacks:
+        n = {tuple(getattr(leaf, "shape", ()))[:1] for leaf in jax.tree.leaves(stack)}
+        if len(n) != 1 or n == {()}:
+            return None
+        total += n.pop()[0]
+    return total
 
 
 EPLB_KEYS = ("log2phy", "logcnt")       # an EPLB placement's tables (pdjax.parallel.eplb)
