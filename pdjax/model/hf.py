@@ -254,6 +254,35 @@ def _global(x):
     return jax.make_array_from_callback(host.shape, _replicated_everywhere(), lambda index: host[index])
 
 
+def _checkpoint_path(path, saving: bool) -> str:
+    """``path`` as an absolute path, checked before orbax starts: a str or os.PathLike; to
+    save, nothing there yet and its parent a directory; to restore, a directory."""
+    if isinstance(path, bytes) or not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__} {path!r}")
+    path = os.path.abspath(os.fspath(path))
+    if saving:
+        if os.path.lexists(path):
+            raise ValueError(f"path {path!r} already exists: save_params writes a new checkpoint directory")
+        if not os.path.isdir(os.path.dirname(path)):
+            raise ValueError(f"path {path!r}: its parent directory does not exist")
+    elif not os.path.isdir(path):
+        raise ValueError(f"path {path!r} is not a checkpoint directory "
+                         f"({'a file' if os.path.exists(path) else 'nothing there'})")
+    return path
+
+
+def _check_leaves(params) -> None:
+    """Every leaf an array or a number (what orbax can write), named by its key path."""
+    for key, leaf in jax.tree_util.tree_leaves_with_path(params):
+        ok = isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or (
+            isinstance(leaf, (int, float)) and not isinstance(leaf, bool))
+        if not ok:
+            raise TypeError(f"params leaf {jax.tree_util.keystr(key)} is a {type(leaf).__name__}, "
+                            f"not an array or a number")
+    if not jax.tree.leaves(params):
+        raise ValueError("params holds no arrays: nothing to save")
+
+
 def save_params(path: str, params) -> None:
     """Save a params pytree with orbax (path must not exist). In a cluster every process calls
     it with the same tree of global arrays (e.g. sharded over a mesh spanning the processes,
@@ -261,6 +290,8 @@ def save_params(path: str, params) -> None:
     array held by one process only (a scalar) is saved replicated (the same value everywhere)."""
     import orbax.checkpoint as ocp
 
+    path = _checkpoint_path(path, saving=True)
+    _check_leaves(params)
     params = jax.tree.map(_global, params)
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(os.path.abspath(path), params)
@@ -281,7 +312,10 @@ def _saved_like(ckptr, path: str):
     scalars of their dtype."""
     import orbax.checkpoint as ocp
 
-    tree = ckptr.metadata(path).item_metadata.tree
+    meta = ckptr.metadata(path)
+    if meta is None or getattr(meta, "item_metadata", None) is None:
+        raise ValueError(f"path {path!r} holds no checkpoint written by save_params (no orbax metadata)")
+    tree = meta.item_metadata.tree
     return jax.tree.map(lambda m: np.zeros((), m.dtype).item() if isinstance(m, ocp.metadata.ScalarMetadata)
                         else jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), tree,
                         is_leaf=lambda m: isinstance(m, ocp.metadata.Metadata))
@@ -300,7 +334,12 @@ def restore_params(path: str, like=None, sharding=None):
     """
     import orbax.checkpoint as ocp
 
-    path = os.path.abspath(path)
+    path = _checkpoint_path(path, saving=False)
+    if not (sharding is None or isinstance(sharding, jax.sharding.Sharding)):
+        bad = [x for x in jax.tree.leaves(sharding) if not isinstance(x, jax.sharding.Sharding)]
+        if bad or not jax.tree.leaves(sharding):
+            raise TypeError(f"sharding must be a jax.sharding.Sharding or a pytree of them matching like, "
+                            f"got {type(bad[0] if bad else sharding).__name__}")
     with ocp.StandardCheckpointer() as ckptr:
         if like is None:
             like = _saved_like(ckptr, path)
