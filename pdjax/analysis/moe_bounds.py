@@ -54,6 +54,19 @@ def expert_balance_batch(cfg: ModelConfig, hw: HardwareLike, dtype: str = "bf16"
     return compute_bound_batch(hw, dtype, weight_dtype_bytes) / moe_mfu_bound(cfg)
 
 
+def check_ep_size(cfg: ModelConfig, ep_size) -> int:
+    """``ep_size`` as an int >= 1 that, for a MoE ``cfg``, does not exceed its routed experts
+    per layer: each EP rank holds at least one routed expert of every MoE layer. More ranks
+    than experts would hold replicas (EPLB's redundant experts), which the EP accounting
+    here does not model, so they are refused. Returns ``ep_size``."""
+    ep_size = check_int("ep_size", ep_size)
+    if cfg.n_routed_experts and ep_size > cfg.n_routed_experts:
+        raise ValueError(f"ep_size: must not exceed the routed experts per layer (n_routed_experts = "
+                         f"{cfg.n_routed_experts}), got {ep_size}: each EP rank holds at least one routed expert "
+                         "of every MoE layer (replicas, as EPLB's redundant experts, are not modelled)")
+    return ep_size
+
+
 def ep_weight_bytes_per_gpu(cfg: ModelConfig, ep_size: int, dtype_bytes: float = 1,
                             layout: str = "even", mtp_layers: int = 0) -> float:
     """Weight bytes each of ``ep_size`` expert-parallel ranks holds (``dtype_bytes`` per
@@ -63,9 +76,11 @@ def ep_weight_bytes_per_gpu(cfg: ModelConfig, ep_size: int, dtype_bytes: float =
     671 GB / 144 = 4.7 GB. ``layout="replicated"``: routed experts split over EP, everything
     else (attention, shared experts, dense layers, embeddings: data-parallel in DeepSeek's
     decode deployment) replicated on every rank: routed * p / EP + non_routed * p
-    (DeepSeek-V3 fp8 EP144: ~21.7 GB). Redundant experts (EPLB) are not counted.
+    (DeepSeek-V3 fp8 EP144: ~21.7 GB). Redundant experts (EPLB) are not counted, so an
+    ``ep_size`` above the routed experts per layer is a ValueError (:func:`check_ep_size`):
+    either layout then holds at least one routed expert of each MoE layer per rank.
     """
-    ep_size = check_int("ep_size", ep_size)
+    ep_size = check_ep_size(cfg, ep_size)
     check_positive("dtype_bytes", dtype_bytes)
     if layout not in EP_LAYOUTS:
         raise ValueError(f"unknown EP layout {layout!r}; known: {EP_LAYOUTS}")

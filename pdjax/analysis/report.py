@@ -79,12 +79,14 @@ def _optional(fn, *args, **kwargs):
         return None  # a figure the hardware does not publish
 
 
-def _check_sizes(*, context_len, handoff_context_len, ep_size, pipeline_stages, act_bytes, weight_dtype_bytes,
+def _check_sizes(cfg, *, context_len, handoff_context_len, ep_size, pipeline_stages, act_bytes, weight_dtype_bytes,
                  kv_dtype_bytes, bubble_target, microbatches) -> None:
-    """report's numeric arguments, each named when it is not what it must be."""
+    """report's numeric arguments, each named when it is not what it must be (``ep_size``
+    also against ``cfg``'s routed experts, :func:`moe_bounds.check_ep_size`)."""
     for name, value in (("context_len", context_len), ("handoff_context_len", handoff_context_len),
                         ("ep_size", ep_size), ("pipeline_stages", pipeline_stages)):
         check_int(name, value)
+    moe_bounds.check_ep_size(cfg, ep_size)
     check_nonnegative("act_bytes", act_bytes)
     check_positive("weight_dtype_bytes", weight_dtype_bytes)
     check_positive("kv_dtype_bytes", kv_dtype_bytes)
@@ -105,14 +107,15 @@ def report(cfg: ModelConfig, hw: HardwareLike, *, context_len: int = 4096,
 
     ``context_len`` S for the concurrency bound; ``handoff_context_len`` for the P->D KV
     transfer; weights held as ``weight_dtype_bytes`` per param split over ``ep_size``
-    ranks with ``ep_layout`` ("even" or "replicated", see ``ep_weight_bytes_per_gpu``);
+    ranks with ``ep_layout`` ("even" or "replicated", see ``ep_weight_bytes_per_gpu``; an
+    ``ep_size`` above a MoE model's routed experts per layer is refused);
     ``act_bytes`` reserved for activations; ``link`` the handoff link ("scale_out" or
     "scale_up"); ``num_kv_groups`` adds a GQA row. Figures the hardware lacks are None,
     except the ones every row needs (bf16 peak, HBM bytes and bandwidth): ValueError."""
     if not isinstance(cfg, ModelConfig):
         raise TypeError(f"report expects a ModelConfig, got {type(cfg).__name__}")
     hw = hardware(hw)
-    _check_sizes(context_len=context_len, handoff_context_len=handoff_context_len, ep_size=ep_size,
+    _check_sizes(cfg, context_len=context_len, handoff_context_len=handoff_context_len, ep_size=ep_size,
                  pipeline_stages=pipeline_stages, act_bytes=act_bytes, weight_dtype_bytes=weight_dtype_bytes,
                  kv_dtype_bytes=kv_dtype_bytes, bubble_target=bubble_target, microbatches=microbatches)
     hbm = hw.require("hbm_bytes", "the memory sheet")

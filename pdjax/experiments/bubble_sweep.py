@@ -73,6 +73,16 @@ class Config(Header):
     sweep: Sweep = table(Sweep)
     costs: Costs = table(Costs)
 
+    def __post_init__(self):
+        super().__post_init__()
+        k = self.costs
+        if k.W > k.B:      # B is the full backward: its input-grad part I = B - W must be >= 0
+            raise ValueError(f"costs.W: must not exceed costs.B ({k.B:g}), got {k.W:g} (B is the full backward, "
+                             "split as I = B - W and W)")
+        if not k.F + k.B > 0:   # every bubble ratio divides by a micro-batch's F + B
+            raise ValueError(f"costs.F, costs.B: a micro-batch needs some work, F + B > 0; got F = {k.F:g}, "
+                             f"B = {k.B:g}")
+
 
 def stages(c: Config) -> list[int]:
     """The P values of the sweep (``num_stages`` times ``scale``)."""
@@ -108,19 +118,35 @@ def summarize(rows, c: Config) -> dict:
             best[p] = {"schedule": b.schedule, "bubble_ratio": b.bubble_ratio}
     p_mid = sorted(stages(c))[len(stages(c)) // 2]
     parts = [f"{r.schedule} {100 * r.bubble_ratio:.1f}%" for r in ran if r.P == p_mid and r.microbatches == k_max * p_mid]
+    not_run = [r for r in rows if r.note]
     headline = (f"bubble ratio at P={p_mid}, m={k_max * p_mid}: " + ", ".join(parts)
-                + f"; formulas exact on {len(applies) - len(mismatched)}/{len(applies)} rows where they apply, "
-                f"not applicable on {len(ran) - len(applies)}")
+                + f"; {len(rows)} rows, {len(ran)} simulated: formulas exact on "
+                f"{len(applies) - len(mismatched)}/{len(applies)} rows where they apply, not applicable on "
+                f"{len(ran) - len(applies)}; " + _not_run_phrase(not_run))
     return {
         "rows": len(rows),
         "simulated": len(ran),
-        "skipped": len(rows) - len(ran),
+        "skipped": len(not_run),
+        "not_run": [{"schedule": r.schedule, "P": r.P, "microbatches": r.microbatches,
+                     "reason": r.note.removeprefix("not applicable: ")} for r in not_run],
         "formula_applies": len(applies),
         "formula_mismatches": len(mismatched),
         "max_abs_error_where_applies": max(errors, default=0.0),
         "best_at_largest_m": best,
         "headline": headline,
     }
+
+
+def _not_run_phrase(not_run) -> str:
+    """How many rows were not run and why: per schedule, its count and its first reason."""
+    if not not_run:
+        return "every row run"
+    by_schedule: dict[str, list] = {}
+    for r in not_run:
+        by_schedule.setdefault(r.schedule, []).append(r)
+    why = "; ".join(f"{name} x{len(rs)}, e.g. P={rs[0].P}, m={rs[0].microbatches}: "
+                    f"{rs[0].note.removeprefix('not applicable: ')}" for name, rs in by_schedule.items())
+    return f"{len(not_run)} not run ({why})"
 
 
 def figure(rows, c: Config):

@@ -71,9 +71,13 @@ def _list(directory) -> int:
     except (FileNotFoundError, NotADirectoryError):
         print(f"pdjax: no directory {directory}", file=sys.stderr)
         return 2
-    width = max((len(r[0]) for r in rows), default=0)
-    for where, kind, description in rows:
-        print(f"{where:<{width}}  {kind:<22} {description}")
+    if directory is None:      # a shipped config is named after its kind: the name once
+        head, lines = ("experiment", "description"), [(where, description) for where, _, description in rows]
+    else:
+        head, lines = ("config", "kind", "description"), rows
+    widths = [max([len(h)] + [len(line[i]) for line in lines]) for i, h in enumerate(head[:-1])]
+    for line in (head, *lines):
+        print("  ".join(f"{cell:<{w}}" for cell, w in zip(line, widths)) + "  " + line[-1])
     return 0
 
 

@@ -5,9 +5,11 @@ model's training step with the :class:`pdjax.pipeline.Executor` (a measured time
 rank), times every op in isolation and simulates the schedule with those times and the
 executor's byte model. ``[run] processes = true`` (the default) runs each rank in a process
 of its own pinned to one CPU core (:class:`pdjax.pipeline.RankProcesses`), so ranks do not
-share cores; ``false`` runs every rank as a thread of this process (on accelerators, where
-a rank is a device); ``cluster = true`` runs each rank in a process of a ``jax.distributed``
-launch with the multi-controller executor (the way ranks on several hosts run). The run directory gets ``<schedule>.png`` / ``.svg`` (measured over
+share cores while there are at least as many cores as ranks (more ranks take the cores in
+turn and share them; the report says which); ``false`` runs every rank as a thread of this
+process (on accelerators, where a rank is a device); ``cluster = true`` runs each rank in a
+process of a ``jax.distributed`` launch with the multi-controller executor (the way ranks on
+several hosts run). The run directory gets ``<schedule>.png`` / ``.svg`` (measured over
 simulated Gantt chart, one time axis), ``executed_bubbles.csv`` (one row per schedule),
 ``executed_bubbles.json`` (the rows with every step's makespan and the per-op costs) and
 ``report.md``. Times are measured (``wall_clock``); the shapes and the measured and
@@ -128,12 +130,26 @@ def report_table(rows) -> str:
     return markdown_table(table_rows) + "\n\n" + note + "\n"
 
 
-def _where(r: Run) -> str:
-    if r.cluster:
-        return (", each rank a process of a jax.distributed launch (pdjax.cluster.launch) pinned to one core, "
-                "the executor multi-controller.")
-    return (", each rank a process of its own pinned to one core." if r.processes
-            else ", every rank a thread of one process.")
+def host_cores() -> int:
+    """The CPU cores this process may run on (the rank processes are pinned among them)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:                  # no affinity API on this platform
+        return os.cpu_count() or 1
+
+
+def placement(r: Run, cores: int) -> str:
+    """Where the ranks of ``r`` run on a host of ``cores`` cores, as it happens: the rank
+    processes take the cores in turn (rank i on core i mod cores), so more ranks than cores
+    share them."""
+    if not (r.cluster or r.processes):
+        return "every rank a thread of one process, sharing the host's cores"
+    what = ("a process of a jax.distributed launch (pdjax.cluster.launch), the executor multi-controller"
+            if r.cluster else "a process of its own")
+    if r.ranks <= cores:
+        return f"each rank {what}, pinned to a core of its own ({r.ranks} ranks on {cores} cores)"
+    return (f"{r.ranks} ranks on {cores} cores, shared: each rank {what}, pinned to core (rank mod {cores}), "
+            "so ranks on one core slow each other")
 
 
 def _measure(c: Config, mcfg, tokens, params) -> list:
@@ -167,12 +183,13 @@ def run(c: Config, out_dir: str) -> Result:
              "hidden_size": mcfg.hidden_size, "batch": list(shape), "rows_per_microbatch": c.batch.rows * c.scale,
              "processes": c.run.processes, "cluster": c.run.cluster}
     plots = {r.schedule: f"{r.schedule}.png" for r in rows}
+    where = placement(c.run, host_cores())
     with open(os.path.join(out_dir, "executed_bubbles.json"), "w") as f:
-        json.dump({"headline": headline(rows), "setup": {**setup, "devices": [str(d) for d in
+        json.dump({"headline": headline(rows), "setup": {**setup, "placement": where, "devices": [str(d) for d in
                    jax.devices()[:c.run.ranks]]}, "rows": dicts, "plots": plots}, f, indent=2, default=str)
     about = (f"Model {c.model.preset} x{c.scale} (hidden {mcfg.hidden_size}, {c.model.layers} layers), batch "
              f"{shape[0]} x {shape[1]} tokens ({c.batch.rows * c.scale} rows per micro-batch), one "
-             f"{setup['backend']} device per rank" + _where(c.run))
+             f"{'cpu' if c.run.processes or c.run.cluster else setup['backend']} device per rank; {where}.")
     body = (f"{about}\n\n{report_table(rows)}\n{MEASURED_NOTE} Per-op costs (ms) and every step's makespan: "
             "[executed_bubbles.json](executed_bubbles.json).")
     return Result("Executed pipeline schedules: measured vs simulated bubbles", headline(rows),

@@ -36,7 +36,9 @@ def bars(enabled: bool = True, stream=None):
                                TimeElapsedColumn)
 
     console = Console(file=stream if stream is not None else sys.stderr)
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    # descriptions are plain text: no markup ("[x]" kept) and no emoji codes (":B:" in "F:B:W" is no emoji)
+    columns = (TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
         token = _ACTIVE.set(progress)
         try:

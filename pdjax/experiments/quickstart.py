@@ -66,6 +66,8 @@ class Analysis:     # DeepSeek's decode setting (docs/analysis.md): V3, fp8 over
             hw.peak_flops(self.compute_dtype)
         except ValueError as e:
             raise ValueError(f"compute_dtype: {e}") from None
+        from pdjax.analysis.moe_bounds import check_ep_size
+        check_ep_size(pdjax.configs.preset(self.preset), self.ep_size)    # "ep_size: ..." before any run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,25 +323,25 @@ def _stall(c: Config, out_dir: str, data: dict, timed: dict) -> list[str]:
 
 def executed_pipeline_section(c: Config, out_dir: str) -> Section:
     """The executed_bubbles experiment, shortened: schedules run as training steps of a
-    2-layer model of the quick start's preset, measured vs simulated with isolated op times."""
-    import jax
-
+    2-layer model of the quick start's preset, measured vs simulated with isolated op times.
+    Each rank is a process of its own (``[run] processes``, executed_bubbles' default) on
+    the host's cores, so it needs no jax device per rank: it runs at any ``ranks``, and the
+    report says how the ranks share the cores."""
     e, sub_cfg = c.executed, c.executed_config()
     full = "Full run: `pdjax run executed_bubbles`."
     if sub_cfg is None:
         return Section("## Executed pipeline\nskipped ([executed] schedules = []). " + full)
-    if jax.device_count() < e.ranks:
-        return Section(f"## Executed pipeline\nskipped: needs {e.ranks} devices (`pdjax run` provides them)")
     sub = os.path.join(out_dir, "executed_pipeline")
     os.makedirs(sub, exist_ok=True)
     res = executed_bubbles.run(sub_cfg, sub)
     results.write(res, sub)
     last = e.schedules[-1]
+    where = executed_bubbles.placement(sub_cfg.run, executed_bubbles.host_cores())
     about = (f"{', '.join(e.schedules)} run as real training steps of a {e.layers}-layer "
-             f"{c.model.preset} model on {e.ranks} devices (one per rank), {e.microbatches} micro-batches "
+             f"{c.model.preset} model, {e.ranks} ranks ({where}), {e.microbatches} micro-batches "
              f"of {e.rows} x {e.seq_len} tokens: the executor's measured timeline against `simulate()` fed "
-             "with every op's time measured in isolation (the simulated devices share the host's cores, so the measured "
-             "run is usually slower than the isolated op times predict).")
+             "with every op's time measured in isolation (ranks sharing cores make the measured run slower "
+             "than the isolated op times predict).")
     md = ["## Executed pipeline", about, "", executed_bubbles.report_table(res["row_objects"]),
           f"{last}, measured (top) vs simulated (bottom): ![{last}](executed_pipeline/{last}.png)", "",
           f"{full} This part: [executed_pipeline/report.md](executed_pipeline/report.md)."]

@@ -63,7 +63,7 @@ def milp_schedule(layout: Layout, costs: dict, *, cap=np.inf, memory: dict | Non
     dual = getattr(res, "mip_dual_bound", None)
     if res.x is None:
         return None, "infeasible" if res.status == 2 else "time limit", None, dual
-    order = _op_order(res.x[:n], ops, deps, sr, R)
+    order = _op_order(res.x[:n], ops, deps, sr, R, d)
     sched = Schedule("milp", layout, tuple(tuple(Op(*ops[o]) for o in row) for row in order))
     status = "optimal" if res.status == 0 else "time limit"
     return sched, status, float(res.fun), dual
@@ -222,14 +222,17 @@ def _solve(rows: list, nv: int, C: int, upper_bound: float | None, time_limit_s:
                 options={"time_limit": float(time_limit_s), "disp": False, "mip_rel_gap": 1e-9})
 
 
-def _op_order(x: np.ndarray, ops: list, deps: list, stage_rank, num_ranks: int) -> list[list[int]]:
+def _op_order(x: np.ndarray, ops: list, deps: list, stage_rank, num_ranks: int,
+              durations=None) -> list[list[int]]:
     """Per-rank op orders from the solver's start times ``x``, never against a dependency.
 
     The solver meets its constraints only to a tolerance (a W may start 1e-9 before its
     I), and zero-length ops tie with others, so sorting raw times can put an op before
     one it depends on. Kahn's order over the dependency graph, taking among the ready
-    ops the earliest start (rounded to 1e-6), then F before I before W, keeps the
-    solver's order wherever it is unambiguous and is valid by construction."""
+    ops the earliest start (rounded to 1e-6), then the earliest end (``durations``: a
+    zero-length op starting where a longer one does ran before it), then F before I
+    before W, keeps the solver's order wherever it is unambiguous and is valid by
+    construction."""
     import heapq
 
     succ: list[list[int]] = [[] for _ in ops]
@@ -237,7 +240,9 @@ def _op_order(x: np.ndarray, ops: list, deps: list, stage_rank, num_ranks: int) 
     for a, b in deps:
         succ[a].append(b)
         indeg[b] += 1
-    key = [(round(float(x[o]), 6), "FIW".index(k), s, j, o) for o, (k, s, j) in enumerate(ops)]
+    d = np.zeros(len(ops)) if durations is None else np.asarray(durations, float)
+    key = [(round(float(x[o]), 6), round(float(x[o] + d[o]), 6), "FIW".index(k), s, j, o)
+           for o, (k, s, j) in enumerate(ops)]
     ready = [key[o] for o in range(len(ops)) if indeg[o] == 0]
     heapq.heapify(ready)
     order: list[list[int]] = [[] for _ in range(num_ranks)]

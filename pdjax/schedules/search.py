@@ -45,6 +45,7 @@ from .bound import lower_bound as _layout_bound
 from .generators import GENERATORS
 from .greedy import Policy, greedy_schedule
 from .layout import Layout
+from .program import DeadlockError
 from .schedule import Schedule
 from .simulate import Timeline, _per_stage, simulate
 from .validate import ScheduleError
@@ -215,9 +216,10 @@ def _hand_written_pool(layouts: dict, p: int, m: int, per_rank_costs: dict, per_
         bounds.append(_layout_bound(layout, sc))
         for name in _HAND[fam]:
             try:
-                _add(candidates, rejected, fam, name, GENERATORS[name](p, m), sim_kw)
+                sched = GENERATORS[name](p, m)
             except ValueError:
-                pass   # a size the hand-written schedule does not support
+                continue   # a size the hand-written schedule does not support
+            _add(candidates, rejected, fam, name, sched, sim_kw)
         greedy_jobs.append((fam, layout, sc, smem, sim_kw))
     return bounds, greedy_jobs
 
@@ -274,12 +276,13 @@ def _milp_candidate(layout: Layout, per_rank_costs: dict, per_rank_mem: dict, fi
 
 def _add(candidates: list, rejected: list, fam: str, label: str, s: Schedule | None,
          sim_kw: dict) -> Candidate | None:
-    """Validate and simulate ``s``; keep it as a candidate, or record why it was dropped."""
+    """Validate and simulate ``s``; keep it as a candidate, or record why it was dropped
+    (every candidate, hand-written, greedy or MILP, comes through here)."""
     if s is None:
         return None
     try:
         t = simulate(s, check=True, **sim_kw)
-    except ScheduleError as e:
+    except (ScheduleError, DeadlockError) as e:
         rejected.append((f"{fam}: {label}", str(e)))
         return None
     cd = Candidate(fam, label, float(t.peak_memory.max()), t.makespan, s)

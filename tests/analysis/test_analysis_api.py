@@ -248,6 +248,30 @@ def test_report_when_weights_do_not_fit():
     assert "do not fit" in quickstart_section(pdjax.configs.deepseek_v3(), "h100")
 
 
+@pytest.mark.parametrize("preset", ["deepseek_v3", "tiny"])
+@pytest.mark.parametrize("layout", ["even", "replicated"])
+def test_weights_per_gpu_hold_at_least_one_routed_expert_per_moe_layer(preset, layout):
+    """An EP rank holds at least one routed expert of every MoE layer, so the weights per GPU
+    are at least one expert's bytes (gate, up and down projections) times the MoE layers
+    (DeepSeek-V3 bf16: about 5.1 GB); an ep_size above the routed experts is refused."""
+    cfg = pdjax.configs.preset(preset)
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    p_w = 2
+    floor = 3 * cfg.hidden_size * cfg.moe_intermediate_size * p_w * moe_layers
+    E = cfg.n_routed_experts
+    for ep in sorted({1, 2, E // 2, E - 1, E} - {0}):
+        sheet = A.report(cfg, "h800", ep_size=ep, ep_layout=layout, weight_dtype_bytes=p_w, verbose=False)
+        assert sheet.memory["weights_per_gpu_GB"] * GB >= floor * (1 - 1e-12), (ep, sheet.memory)
+        assert A.ep_weight_bytes_per_gpu(cfg, ep, p_w, layout) >= floor * (1 - 1e-12)
+    for ep in (E + 1, 1000):
+        with pytest.raises(ValueError, match=f"ep_size: must not exceed .*n_routed_experts = {E}.*got {ep}"):
+            A.report(cfg, "h800", ep_size=ep, ep_layout=layout, weight_dtype_bytes=p_w, verbose=False)
+        with pytest.raises(ValueError, match=f"ep_size: .*got {ep}"):
+            A.ep_weight_bytes_per_gpu(cfg, ep, p_w, layout)
+    if preset == "deepseek_v3":
+        assert 5.0e9 < floor < 5.2e9
+
+
 def test_quickstart_section():
     text = quickstart_section(pdjax.configs.deepseek_v3(), "h800", context_len=4989,
                                 ep_size=144, weight_dtype_bytes=1)

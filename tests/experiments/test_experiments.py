@@ -143,7 +143,7 @@ def test_bad_overrides_name_the_key(tmp_path, override, match):
 def test_list_shows_every_experiment(capsys):
     assert cli.main(["list"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert len(out) == len(runner.EXPERIMENTS)
+    assert len(out) == len(runner.EXPERIMENTS) + 1          # a header line, then one line each
     assert any(line.startswith("executed_bubbles ") for line in out)
 
 

@@ -120,7 +120,7 @@ def test_run_and_list_by_name_from_another_directory(tmp_path, capsys, monkeypat
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
     assert cli.main(["list"]) == 0
-    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:]]     # under the header
     assert listed == sorted(runner.EXPERIMENTS)
     assert cli.main(["run", "bubble_sweep", "--quiet", *SMALL_SWEEP]) == 0
     (run_dir,) = glob.glob(str(elsewhere / "runs" / "bubble_sweep" / "*"))

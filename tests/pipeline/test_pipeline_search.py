@@ -1,6 +1,7 @@
 """pdjax.schedules.search: budget, monotonicity, dominance over the hand-written schedules,
 the MILP against brute-force enumeration, the lower bound, and bad input."""
 
+import importlib
 import itertools
 import time
 
@@ -90,15 +91,103 @@ def _check_result(res, p, m, costs, budget):
         c.schedule.validate()
 
 
+MILP_STATUSES = ("optimal", "time limit", "optimal (greedy)", "infeasible", "skipped (time limit)")
+
+
 def test_milp_stopped_by_the_time_limit_never_returns_an_invalid_schedule():
     """The reported bug: with I = B - W = 0 the solver's start times meet W >= I only to a
     tolerance (W3 at 14.0, I3 at 14.000000001), and ordering by raw time put 0W3 before 0I3;
-    search then failed with ScheduleError at 2 s and 3 s (not at 1 s)."""
+    search then failed with ScheduleError at 2 s and 3 s (not at 1 s).
+
+    Whatever the outcome under the 2 s limit (the MILP stopped with or without a schedule,
+    or never started because a busy machine spent the limit on the greedy pool), the result
+    and every kept candidate validate and no MILP schedule was dropped as invalid. What
+    does not depend on the machine's load is checked beside it: the same I = 0 costs on a
+    case the solver finishes at once (so it always hands back a schedule), and the order
+    built from start times that tie to within the solver's tolerance."""
     costs = dict(F=1.0, B=1.0, W=1.0, comm=0.0)
     res = search(num_ranks=4, num_microbatches=12, **costs, memory_budget=6, time_limit_s=2)
     _check_result(res, 4, 12, costs, 6)
-    assert res.milp["status"] in ("optimal", "time limit", "optimal (greedy)", "infeasible")
+    assert res.milp["status"] in MILP_STATUSES
     assert not [r for r in res.rejected if r[0].startswith("zb: milp")]
+    # status-independent: 2 x 6, cap 2 solves to optimality in well under a second, and its
+    # optimum's start times tie W with I (a raw-time order puts 0W0 before 0I0)
+    layout = Layout.chain(range(2), 6, num_ranks=2)
+    sched, status, obj, _ = milp_schedule(layout, pp.stage_costs(2, **costs), cap=2, time_limit_s=120)
+    assert status == "optimal" and sched is not None
+    sched.validate()
+    t = pp.simulate(sched, **costs)
+    assert t.makespan == pytest.approx(obj) and t.peak_memory.max() <= 2 + 1e-9
+
+
+def test_milp_orders_never_put_an_op_before_one_it_depends_on():
+    """The MILP's start times to per-rank orders (``milp._op_order``), fed times that meet
+    the dependencies only to the solver's tolerance: every I a hair after the W that
+    depends on it (I = 0, so each W starts where its I does)."""
+    from pdjax.schedules import milp
+
+    p, m = 3, 6
+    costs = dict(F=1.0, B=1.0, W=1.0, comm=0.0)
+    layout = Layout.chain(range(p), m, num_ranks=p)
+    ref = pp.build("zb1p", p, m)
+    t = pp.simulate(ref, **costs)
+    ops, index = milp._enumerate_ops(layout)
+    start = {op: float(t.starts[r][i]) for r, row in enumerate(ref.ops) for i, op in enumerate(row)}
+    x = np.array([start[Op(*o)] + (1e-9 if o[0] == "I" else 0.0) for o in ops])
+    assert any(x[index[("W", s, j)]] < x[index[("I", s, j)]] for _, s, j in ops)   # raw times: W first
+    dur = {k: np.full(p, costs[k] if k != "I" else 0.0) for k in ("F", "I", "W")}
+    d = np.array([dur[k][s] for k, s, _ in ops])
+    _, deps = milp._precedence_rows(layout, index, dur, np.zeros(p), d, len(ops))
+    order = milp._op_order(x, ops, deps, layout.stage_rank, p, d)
+    sched = Schedule("milp", layout, [[Op(*ops[o]) for o in row] for row in order]).validate()
+    assert pp.simulate(sched, **costs).makespan == pytest.approx(t.makespan)   # the times' order, kept
+
+
+def _dropped_ws(s: Schedule) -> Schedule:
+    """``s`` without its W ops: every I's weight gradient is never computed (invalid), and
+    the schedule is shorter than any valid one, so a search that kept it would return it."""
+    return Schedule("bad", s.layout, [[op for op in row if getattr(op, "kind", None) != "W"] for row in s.ops])
+
+
+def _w_before_its_i(s: Schedule) -> Schedule:
+    """``s`` with the last rank's first W moved in front of its own I (a broken dependency)."""
+    ops = [list(row) for row in s.ops]
+    row = ops[-1]
+    iw = next(i for i, op in enumerate(row) if op.kind == "W")
+    w = row.pop(iw)
+    row.insert(next(i for i, op in enumerate(row) if op.kind == "I" and op.microbatch == w.microbatch), w)
+    return Schedule("bad", s.layout, ops)
+
+
+@pytest.mark.parametrize("break_it", [_dropped_ws, _w_before_its_i])
+@pytest.mark.parametrize("source", ["hand-written", "greedy", "milp"])
+def test_search_never_keeps_an_invalid_candidate(monkeypatch, source, break_it):
+    """An invalid schedule injected where the search takes its candidates (a hand-written
+    generator, the greedy scheduler, the MILP) is dropped with its reason in ``rejected``:
+    never kept as a candidate, never returned."""
+    milp_module = importlib.import_module("pdjax.schedules.milp")
+    search_module = importlib.import_module("pdjax.schedules.search")   # the package's `search` is the function
+
+    p, m = 3, 6
+    bad = break_it(pp.build("zb1p", p, m))
+    with pytest.raises(ValueError):
+        bad.validate()
+    if source == "hand-written":
+        monkeypatch.setitem(search_module.GENERATORS, "zbh2", lambda *_: bad)
+    elif source == "greedy":
+        real, calls = search_module.greedy_schedule, []
+
+        def greedy(*args, **kwargs):
+            calls.append(1)
+            return bad if len(calls) == 1 else real(*args, **kwargs)
+        monkeypatch.setattr(search_module, "greedy_schedule", greedy)
+    else:
+        monkeypatch.setattr(milp_module, "milp_schedule", lambda *a, **k: (bad, "optimal", 1.0, 1.0))
+    res = search(p, m, **COSTS, families=("zb",), time_limit_s=60)
+    assert all(c.schedule.ops != bad.ops for c in res.candidates)
+    assert res.schedule.ops != bad.ops
+    _check_result(res, p, m, COSTS, float("inf"))
+    assert len(res.rejected) == 1 and res.rejected[0][0].startswith("zb: "), res.rejected
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
