@@ -23,6 +23,16 @@ import sys
 
 
 def main(argv=None) -> int:
+    """The ``pdjax`` command; Ctrl-C ends any subcommand with one line on stderr and exit
+    code 130 (a run directory it had started is marked FAILED, see rundir.running)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("pdjax: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
+
+
+def _main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["launch"]:              # its command follows --: parsed on its own
         from pdjax.cluster.launch import main as launch

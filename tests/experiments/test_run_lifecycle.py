@@ -114,6 +114,22 @@ def test_a_run_is_marked_running_until_it_is_complete(tmp_path, capsys, monkeypa
     assert "the run has not finished" in capsys.readouterr().err
 
 
+def test_ctrl_c_ends_a_run_with_one_line_and_marks_it_failed(tmp_path, capsys, monkeypatch):
+    """Ctrl-C in the middle of a run: exit code 130, one line on stderr (no traceback), and
+    the run directory is marked FAILED with the KeyboardInterrupt (not left RUNNING)."""
+    def interrupted(config, out_dir):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(bubble_sweep, "run", interrupted)
+    runs = tmp_path / "runs"
+    assert cli.main(["run", "bubble_sweep", "--runs-dir", str(runs), "--quiet", *SMALL_SWEEP]) == 130
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == ["pdjax: interrupted (Ctrl-C)"], err
+    (run_dir,) = glob.glob(str(runs / "bubble_sweep" / "*"))
+    names = set(os.listdir(run_dir))
+    assert rundir.FAILED in names and rundir.RUNNING not in names
+    assert "KeyboardInterrupt" in open(os.path.join(run_dir, rundir.FAILED)).read()
+
+
 # ---- the experiments ship with pdjax; run by name from anywhere ----------------------------
 def test_run_and_list_by_name_from_another_directory(tmp_path, capsys, monkeypatch):
     elsewhere = tmp_path / "elsewhere"
