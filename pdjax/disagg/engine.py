@@ -48,7 +48,8 @@ from pdjax.disagg.link import DevicePutLink, checksum
 from pdjax.disagg.loop import DecodeLoop, FifoLock
 from pdjax.disagg.prefill import PrefillPool, chunk_plan
 from pdjax.disagg.prefix_store import PrefixStore
-from pdjax.disagg.request import Clock, Request, RequestError, SamplingParams, validate_request
+from pdjax.disagg.request import (Clock, Request, RequestError, SamplingParams, check_arrivals,
+                                  validate_request)
 from pdjax.disagg.scheduler import (Admitted, CancelPrefill, DecodeScheduler, Failed, LayerArrived, StartPrefill,
                                     Submit, Token)
 from pdjax.disagg.chunking import largest_chunk, whole_buckets
@@ -239,9 +240,7 @@ class PDEngine:
         n = len(prompts)
         samplings = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * n
         mnt = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * n
-        arrivals = [0.0] * n if arrival_times is None else [float(a) for a in arrival_times]
-        if len(arrivals) != n or any(b < a for a, b in zip(arrivals, arrivals[1:])) or min(arrivals, default=0) < 0:
-            raise ValueError("arrival_times must be one non-negative, non-decreasing time per prompt")
+        arrivals = check_arrivals(arrival_times, n)
         reqs = []
         for i, p in enumerate(prompts):
             r = Request(i, p.tolist() if isinstance(p, np.ndarray) else list(p) if isinstance(p, (list, tuple)) else p,

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pdjax.arguments import ArgumentTypeError, check_nonnegative
 from pdjax.model.checks import prompt_problem
 
 
@@ -97,6 +98,28 @@ def validate_request(req: Request, vocab_size: int, max_context: int) -> None:
     if need > max_context:
         raise RequestError(f"request {req.index}: prompt ({len(req.prompt)}) + max_new_tokens "
                            f"({req.max_new_tokens}) exceeds the context of {max_context} tokens")
+
+
+def check_arrivals(arrival_times, n: int) -> list[float]:
+    """``arrival_times`` of a ``generate`` call of ``n`` prompts as floats (None: all at 0),
+    or raise naming the argument, the index and the value: one real number per prompt
+    (not a bool), finite, >= 0 and non-decreasing. A NaN or infinite time would never be
+    released (the engine would wait for it for ever)."""
+    if arrival_times is None:
+        return [0.0] * n
+    if isinstance(arrival_times, (str, bytes)) or not isinstance(arrival_times, (list, tuple, np.ndarray)) \
+            or np.ndim(arrival_times) != 1:
+        raise ArgumentTypeError(f"arrival_times must be a list of one time (seconds) per prompt, "
+                                f"got {arrival_times!r}")
+    if len(arrival_times) != n:
+        raise ValueError(f"arrival_times must hold one time per prompt: got {len(arrival_times)} times "
+                         f"for {n} prompts")
+    out = [float(check_nonnegative(f"arrival_times[{i}]", a)) for i, a in enumerate(arrival_times)]
+    for i in range(1, n):
+        if out[i] < out[i - 1]:
+            raise ValueError(f"arrival_times must be non-decreasing, got arrival_times[{i}]={out[i]!r} "
+                             f"after arrival_times[{i - 1}]={out[i - 1]!r}")
+    return out
 
 
 @jax.jit

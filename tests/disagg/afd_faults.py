@@ -53,17 +53,26 @@ class SlowExchange:
         return self.inner.to_attention(pieces)
 
 
+def flip_in_rank(array, rank: int, row: int = 0, col: int = 0, bit: int = 30):
+    """``array`` (rows split over its mesh's ranks) with bit ``bit`` flipped in row ``row``
+    (negative: from the end) of rank ``rank``'s slice, at column ``col`` of every further
+    axis."""
+    per = array.sharding.shard_shape(array.shape)[0]
+    return flip_bit(array, bit, (rank * per + row % per,) + (col,) * (array.ndim - 1))
+
+
 class FlippingExchange:
     """An AFD exchange that corrupts what it moves on chosen calls: the ``to_ffn`` calls
     numbered in ``a2f`` and the ``to_attention`` calls numbered in ``f2a`` (0, 1, ... in the
-    order the pool makes them) arrive with bit ``bit`` of the first element of their first
-    piece array's first leaf (the hidden states, or the experts' output) flipped, on the
-    first rank; the piece's seal (its checksums) is left as sent. ``flipped``: (direction,
-    call) of every flip. Default bit 30: a float32's top exponent bit (a value near 1
-    becomes ~1e38: the tokens change unless the flip is caught)."""
+    order the pool makes them) arrive with bit ``bit`` flipped in one element (``at``: piece
+    array, leaf, rank, row, column; default the first element of the first piece array's first
+    leaf, the hidden states or the experts' output, on the first rank; see
+    :func:`flip_in_rank`); the piece's seal (its checksums) is left as sent. ``flipped``:
+    (direction, call) of every flip. Default bit 30: a float32's top exponent bit (a value
+    near 1 becomes ~1e38: the tokens change unless the flip is caught)."""
 
-    def __init__(self, inner, a2f=(), f2a=(), bit: int = 30):
-        self.inner, self.bit = inner, bit
+    def __init__(self, inner, a2f=(), f2a=(), bit: int = 30, at=(0, 0, 0, 0, 0)):
+        self.inner, self.bit, self.at = inner, bit, at
         self.attention_mesh, self.ffn_mesh = inner.attention_mesh, inner.ffn_mesh
         self.plan = {"a2f": set(a2f), "f2a": set(f2a)}
         self.calls = {"a2f": 0, "f2a": 0}
@@ -84,7 +93,10 @@ class FlippingExchange:
         if n not in self.plan[direction]:
             return moved, nbytes
         self.flipped.append((direction, n))
-        (tree, sums), *rest = moved
+        piece, leaf, rank, row, col = self.at
+        moved = list(moved)
+        tree, sums = moved[piece]
         leaves, treedef = jax.tree.flatten(tree)
-        leaves[0] = flip_bit(leaves[0], self.bit)
-        return ((jax.tree.unflatten(treedef, leaves), sums), *rest), nbytes
+        leaves[leaf] = flip_in_rank(leaves[leaf], rank, row, col, self.bit)
+        moved[piece] = (jax.tree.unflatten(treedef, leaves), sums)
+        return tuple(moved), nbytes

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pdjax.disagg.link import Cancelled
+from pdjax.disagg.request import Clock
 
 
 class ManualClock:
@@ -63,16 +64,19 @@ class Fault:
                 and (self.tokens is None or chunk.start + chunk.rows.shape[0] == self.tokens))
 
 
-def flip_bit(rows, bit: int = 0):
-    """``rows`` with bit ``bit`` (default the lowest) of its first element flipped (a corrupt
-    byte on the wire)."""
+def flip_bit(rows, bit: int = 0, index: tuple | None = None):
+    """``rows`` with bit ``bit`` (default the lowest) of its element ``index`` (default the
+    first) flipped (a corrupt byte on the wire); a bool element is negated."""
+    index = (0,) * rows.ndim if index is None else tuple(index)
+    if rows.dtype == jnp.bool_:
+        return jax.device_put(rows.at[index].set(~rows[index]), rows.sharding)
     uint = jnp.dtype(f"uint{8 * rows.dtype.itemsize}")
     bits = jax.lax.bitcast_convert_type(rows, uint)
-    bits = bits.at[(0,) * bits.ndim].set(bits[(0,) * bits.ndim] ^ jnp.asarray(1 << bit, uint))
+    bits = bits.at[index].set(bits[index] ^ jnp.asarray(1 << bit, uint))
     return jax.device_put(jax.lax.bitcast_convert_type(bits, rows.dtype), rows.sharding)
 
 
-MALFORMED = ("extra_row", "wrong_device", "wrong_dtype")   # payloads the decode side must refuse
+MALFORMED = ("extra_row", "wrong_device", "wrong_dtype", "zero_row")   # payloads the decode side must refuse
 WRONG_LAYOUT = "wrong_layout"    # a transfer descriptor announcing another layout than the offer's
 
 
@@ -87,12 +91,16 @@ def wrong_layout(desc: dict) -> dict:
 
 def malformed(kind: str, payload):
     """``payload`` (the link's moved rows) spoiled as ``kind``: one row more, on another
-    device (the last one), or in float16. Across processes (a link whose payload is a
+    device (the last one), in float16, or one zero row more (``zero_row``: zeros add nothing
+    to either of :func:`pdjax.disagg.link.bit_sums`' sums, so only the decode side's row check
+    can refuse it, not the checksum). Across processes (a link whose payload is a
     transfer descriptor) the rows are spoiled as they are offered: the descriptor announces
     what is pulled, one row more or float16 (there is no "wrong device": the decode side
     pulls onto its own; a layout other than offered is :data:`WRONG_LAYOUT`)."""
     if kind == "extra_row":
         return jnp.concatenate([payload, payload[:1]])
+    if kind == "zero_row":          # one row more, all bits zero: the checksum is the sent one's
+        return jnp.concatenate([payload, jnp.zeros_like(payload[:1])])
     if kind == "wrong_device":
         return jax.device_put(payload, jax.devices()[-1] if list(payload.devices())[0] != jax.devices()[-1]
                               else jax.devices()[0])
@@ -304,6 +312,54 @@ def run_with_hang(eng, prompts, fault, max_new_tokens=5, watchdog_s: float = 30.
         eng.link = link.inner
         link.release.set()
         watchdog.cancel()
+
+
+BAD_ARRIVALS = [       # (arrival_times for 2 prompts, what the error says)
+    ([0, float("nan")], "arrival_times[1] must be finite, got nan"),
+    ([0, float("inf")], "arrival_times[1] must be finite, got inf"),
+    ([-0.5, 0], "arrival_times[0] must be >= 0, got -0.5"),
+    ([0], "1 times for 2 prompts"), ([0, 0, 0], "3 times for 2 prompts"),
+    ([0, "1"], "arrival_times[1] must be a real number, got '1'"),
+    ([0, True], "arrival_times[1] must be a real number, got True"),
+    ([1.0, 0.5], "non-decreasing, got arrival_times[1]=0.5 after arrival_times[0]=1.0"),
+    ("01", "must be a list of one time"),
+]
+
+
+class _GuardClock(Clock):
+    """The real clock, until ``stop`` is set: then ``now()`` raises, ending a hung generate."""
+
+    def __init__(self):
+        super().__init__()
+        self.stop = threading.Event()
+
+    def now(self) -> float:
+        if self.stop.is_set():
+            raise TimeoutError("stopped by the test's guard")
+        return super().now()
+
+
+def generate_within(eng, seconds: float, prompts, max_new_tokens=5, **kw):
+    """``eng.generate`` in a thread; returns what it returned or raises what it raised. Not
+    done within ``seconds``: the test fails (instead of hanging the suite) and the run is
+    ended through its clock (no thread is left serving)."""
+    clock, box = _GuardClock(), {}
+
+    def run():
+        try:
+            box["out"] = eng.generate(prompts, max_new_tokens=max_new_tokens, clock=clock, **kw)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the test's thread
+            box["error"] = e
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        clock.stop.set()
+        t.join(120)
+        raise AssertionError(f"generate did not return within {seconds} s (hung)")
+    if "error" in box:
+        raise box["error"]
+    return box["out"]
 
 
 @jax.jit

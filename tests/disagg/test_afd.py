@@ -16,7 +16,8 @@ from pdjax.disagg.request import Request
 from pdjax.disagg.timeline import Timeline
 
 from afd_faults import FailingFFN, FlippingExchange, SlowExchange
-from faults import Fault, assert_nothing_held, free_blocks, run_with_faults, run_with_hang
+from faults import (BAD_ARRIVALS, Fault, assert_nothing_held, free_blocks, generate_within, run_with_faults,
+                    run_with_hang)
 from host_transfers import device_fetches
 
 # a donation XLA cannot honour (no output to alias) warns: make it fail the tests
@@ -213,14 +214,18 @@ def test_ffn_failure_fails_only_its_microbatch(cfg, params, eng, prompts):
             pool.release(s)
 
 
-@pytest.mark.parametrize("direction, call", [("a2f", 0), ("f2a", 3)])
-def test_a_flipped_bit_on_the_exchange_is_detected_and_the_step_rerun(eng, prompts, expected, direction, call):
+@pytest.mark.parametrize("direction, call, at", [("a2f", 0, (0, 0, 0, 0, 0)), ("f2a", 3, (0, 0, 0, 0, 0)),
+                                                 ("a2f", 2, (0, 1, 3, -1, 1)), ("f2a", 1, (0, 0, 2, -1, 5))])
+def test_a_flipped_bit_on_the_exchange_is_detected_and_the_step_rerun(eng, prompts, expected, direction, call, at):
     """A float32's top exponent bit flips on the wire in the hidden states (A2F) or in the
-    experts' output (F2A): the receiving program's checksum differs from the seal, the
-    micro-batch's step runs again from its unchanged inputs: the tokens are pdjax.generate's,
-    the stats count one detection and nothing stays held."""
+    experts' output (F2A), at the first element on the first rank, or (``at``: piece array,
+    leaf, rank, row, column) in the routing weights' last row on FFN rank 3 or a middle
+    element of the output on attention rank 2 (test_afd_seal.py: every row and leaf): the
+    receiving program's checksum differs from the seal, the micro-batch's step runs again from
+    its unchanged inputs: the tokens are pdjax.generate's, the stats count one detection and
+    nothing stays held."""
     free, ex = free_blocks(eng), eng.decode.exchange
-    eng.decode.exchange = flipping = FlippingExchange(ex, **{direction: {call}})
+    eng.decode.exchange = flipping = FlippingExchange(ex, **{direction: {call}}, at=at)
     try:
         out = eng.generate(prompts[:4], max_new_tokens=NEW)
     finally:
@@ -351,6 +356,17 @@ def test_engine_survives_a_stalled_a_hung_and_a_malformed_send(eng, prompts, exp
         assert_nothing_held(eng, free)
     finally:
         eng.handoff_timeout_s = None
+
+
+@pytest.mark.parametrize("arrivals,says", BAD_ARRIVALS)
+def test_bad_arrival_times_fail_before_any_compute(eng, prompts, compile_counter, arrivals, says):
+    """As a PD engine's (test_faults.py): a NaN, infinite, negative, non-numeric, decreasing
+    or miscounted arrival_times raises naming it before any compute, instead of hanging."""
+    free = free_blocks(eng)
+    with compile_counter() as c, pytest.raises(ValueError) as e:
+        generate_within(eng, 20, prompts[:2], max_new_tokens=NEW, arrival_times=arrivals)
+    assert says in str(e.value) and c.count == 0
+    assert_nothing_held(eng, free)
 
 
 def test_bad_requests_fail_alone(cfg, eng, prompts, expected):

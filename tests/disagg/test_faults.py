@@ -9,8 +9,8 @@ import collections
 
 import jax
 import pytest
-from faults import (Fault, FaultyLink, ManualClock, assert_nothing_held, free_blocks, run_with_faults,
-                    run_with_hang)
+from faults import (BAD_ARRIVALS, Fault, FaultyLink, ManualClock, assert_nothing_held, free_blocks,
+                    generate_within, run_with_faults, run_with_hang)
 
 from pdjax.disagg import ColocatedEngine, PDEngine, RequestError
 
@@ -120,6 +120,36 @@ def test_a_malformed_payload_fails_only_its_request(any_engine, pd_prompts, pd_e
     assert out == pd_expected[:4] and any_engine.stats["malformed_payloads"] == 1
     assert [r["prefill_attempts"] for r in any_engine.stats["requests"]] == [1, 2, 1, 1]
     assert_nothing_held(any_engine, free)
+
+
+@pytest.mark.parametrize("arrivals,says", BAD_ARRIVALS)
+def test_bad_arrival_times_fail_before_any_compute(any_engine, pd_prompts, compile_counter, arrivals, says):
+    """A NaN or infinite arrival would never be released (generate waited for it for ever):
+    every bad arrival_times (not finite, negative, not a number, one per prompt, decreasing)
+    raises naming the argument, the index and the value, compiles nothing, and holds nothing
+    (a guard fails the test, instead of hanging it, if generate does not return)."""
+    free = free_blocks(any_engine)
+    with compile_counter() as c, pytest.raises(ValueError) as e:
+        generate_within(any_engine, 20, pd_prompts[:2], arrival_times=arrivals)
+    assert says in str(e.value) and "arrival_times" in str(e.value) and c.count == 0
+    assert_nothing_held(any_engine, free)
+
+
+@pytest.mark.parametrize("kind", ["zero_row"])
+def test_a_payload_with_a_wrong_row_count_and_its_own_checksum_fails_alone(engine, pd_prompts, pd_expected, kind):
+    """Request 2's layer 1 arrives with one row more, all zeros: its checksum is the one sent,
+    so only the decode side's row check can refuse it. Every attempt of request 2 does so:
+    the request fails alone naming the rows outside its prompt (not a corrupt payload); the
+    others finish exactly and nothing stays held."""
+    free = free_blocks(engine)
+    out, link = run_with_faults(engine, pd_prompts[:4], [Fault(kind, request=2, attempt=a) for a in (1, 2, 3)])
+    assert [k for k, *_ in link.fired] == [kind] * 3
+    n = len(pd_prompts[2])
+    assert isinstance(out[2], RequestError), out[2]
+    assert "malformed layer payload" in str(out[2]) and f"rows 0..{n} outside its {n}-token prompt" in str(out[2])
+    assert out[:2] + out[3:] == pd_expected[:2] + pd_expected[3:4]
+    assert engine.stats["malformed_payloads"] == 3 and engine.stats["corrupt_payloads"] == 0
+    assert_nothing_held(engine, free)
 
 
 def test_an_error_escaping_generate_leaves_the_pool_as_it_was(any_engine, pd_prompts, pd_expected):

@@ -32,6 +32,20 @@ def test_rank_processes_step_equals_value_and_grad(ranks, exec_params, exec_toke
     assert _max_rel_err(grads, ref_grads) <= 1e-5
 
 
+def test_rank_processes_consecutive_steps_each_equal_value_and_grad(ranks, exec_cfg, exec_params, exec_tokens):
+    """Three steps in a row on different batches: each step's loss and gradients are that
+    batch's alone (the gradient accumulator starts from zero every step, not from the last
+    step's sums)."""
+    f = jax.jit(jax.value_and_grad(pp.next_token_loss), static_argnums=1)
+    rng = np.random.default_rng(1)
+    batches = [rng.integers(0, exec_cfg.vocab_size, exec_tokens.shape, dtype=np.int32) for _ in range(2)]
+    for step, tokens in enumerate(batches + [exec_tokens]):
+        ref_loss, ref_grads = f(exec_params, exec_cfg, tokens)
+        loss = ranks.step(tokens)
+        assert abs(loss - float(ref_loss)) <= 1e-5 * abs(float(ref_loss)), step
+        assert _max_rel_err(ranks.grads(), ref_grads) <= 1e-5, step
+
+
 def test_rank_processes_timeline_and_memory(ranks, exec_tokens):
     ranks.step(exec_tokens)
     tl = ranks.last_timeline
