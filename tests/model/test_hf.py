@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,7 +66,7 @@ def test_save_hf_round_trip_sharded(tiny_cfg, tiny_params, tmp_path):
     assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) > 1
     cfg, params = pdjax.load_hf(str(tmp_path / "ckpt"))
     assert cfg == tiny_cfg
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), params, tiny_params)
+    chex.assert_trees_all_equal(params, tiny_params, strict=True)
 
 
 def test_fp8_block_dequantisation(tmp_path):
@@ -93,7 +94,7 @@ def test_orbax_round_trip_onto_sharding(tiny_params, tmp_path):
     restored = pdjax.restore_params(str(tmp_path / "p"), like=tiny_params, sharding=replicated)
     leaves = jax.tree.leaves(restored)
     assert all(x.sharding == replicated for x in leaves)
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), restored, tiny_params)
+    chex.assert_trees_all_equal(restored, tiny_params, strict=True)
 
 
 # ---- bad checkpoints ---------------------------------------------------------------------
@@ -199,10 +200,8 @@ def test_load_onto_a_mesh_places_like_shard_params(monkeypatch):
     monkeypatch.setattr(hf.SafetensorsFile, "get", counting_get)
     cfg_m, got = pdjax.load_hf(path, mesh=mesh)
     assert cfg_m == cfg
-    assert jax.tree.structure(got) == jax.tree.structure(want)
-    for g, w, p in zip(jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(params)):
-        assert g.sharding == w.sharding and g.dtype == w.dtype
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(p))
+    jax.tree.map(lambda g, w: chex.assert_equal(g.sharding, w.sharding), got, want)
+    chex.assert_trees_all_equal(got, params, strict=True)        # structure, shapes, dtypes, values
     sharded = [g for g in jax.tree.leaves(got) if not g.sharding.is_fully_replicated]
     assert len(sharded) == 3 * (cfg.num_hidden_layers - cfg.first_k_dense_replace)
     expert_reads = {n: c for n, c in reads.items() if ".experts." in n}

@@ -3,6 +3,7 @@ naive, chunked prefill, ragged generation, bad inputs."""
 
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -180,10 +181,8 @@ def test_init_into_shardings_equals_unsharded_init(tiny_cfg):
     mesh = make_mesh({"data": 2, "expert": 4})
     got = pdjax.init_params(cfg, jax.random.key(0), mesh=mesh)
     want = shard_params(pdjax.init_params(cfg, jax.random.key(0)), cfg, mesh)
-    assert jax.tree.structure(got) == jax.tree.structure(want)
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        assert g.sharding == w.sharding and g.dtype == w.dtype
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    chex.assert_trees_all_equal(got, want, strict=True)          # structure, shapes, dtypes, values
+    jax.tree.map(lambda g, w: chex.assert_equal(g.sharding, w.sharding), got, want)
     assert sum(not g.sharding.is_fully_replicated for g in jax.tree.leaves(got)) == 3   # the experts
 
 

@@ -2,6 +2,7 @@
 caches, tokens and MoE stats; the decode step updates the stacked cache in place; bad
 combinations fail before any compute."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,9 +62,7 @@ def test_layer_runs():
 def test_stack_unstack_round_trip(params, stacked, cfg):
     assert [jax.tree.leaves(s)[0].shape[0] for s in stacked["layer_runs"]] == [1, 2]
     back = unstack_layers(stacked, cfg)
-    assert jax.tree.structure(back) == jax.tree.structure(params)
-    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
-        np.testing.assert_array_equal(a, b)
+    chex.assert_trees_all_equal(back, params, strict=True)
 
 
 def test_forward_and_stats_equal_per_layer(params, stacked, cfg):
