@@ -91,6 +91,8 @@ def train(cfg: ModelConfig, schedule, data, optimizer=None, steps: int = 20, *, 
     """
     optimizer = DEFAULT_OPTIMIZER if optimizer is None else optimizer
     _check_args(steps, optimizer, checkpoint_dir, checkpoint_every)
+    if not _is_count(seed) or seed < 0:
+        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
     ex = _executor(cfg, schedule, executor, devices, layers_per_stage)
     _check_data(ex, data, steps)
     if params is not None:
@@ -120,6 +122,12 @@ def _check_args(steps, optimizer, checkpoint_dir, checkpoint_every) -> None:
     if not isinstance(optimizer, optax.GradientTransformation):
         raise ValueError(f"optimizer must be an optax GradientTransformation (e.g. optax.adamw(1e-3)), "
                          f"got {type(optimizer).__name__}")
+    if checkpoint_dir is not None:
+        if isinstance(checkpoint_dir, bytes) or not isinstance(checkpoint_dir, (str, os.PathLike)):
+            raise ValueError(f"checkpoint_dir must be a str or os.PathLike, got {type(checkpoint_dir).__name__} "
+                             f"{checkpoint_dir!r}")
+        if os.path.exists(checkpoint_dir) and not os.path.isdir(checkpoint_dir):
+            raise ValueError(f"checkpoint_dir {os.fspath(checkpoint_dir)!r} exists and is not a directory")
     if checkpoint_every is not None:
         if not _is_count(checkpoint_every) or checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be an int >= 1, got {checkpoint_every!r}")
