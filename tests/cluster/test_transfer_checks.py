@@ -73,6 +73,28 @@ def test_a_pull_whose_sharding_differs_from_the_senders_is_refused(ends, target)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(rows))
 
 
+def _mesh2x2(devices):
+    return jax.make_mesh((2, 2), ("x", "y"), devices=devices, axis_types=(AxisType.Auto,) * 2)
+
+
+def test_a_pull_that_puts_the_same_shard_shapes_on_other_devices_is_refused(ends):
+    """P("x", "y") into P("y", "x") on a 2 x 2 mesh: the same device count and shard shape
+    (4, 20), but the block each device holds differs (device 1 holds rows 0-4, columns 20-40
+    in one, rows 4-8, columns 0-20 in the other): refused, and a pull with the sender's own
+    spec on the other mesh then gets exact values."""
+    sender, receiver = ends
+    rows = _rows(NamedSharding(_mesh2x2(jax.devices()[:4]), P("x", "y")))
+    desc = sender.offer(rows, gather=False)
+    wrong = NamedSharding(_mesh2x2(jax.devices()[4:8]), P("y", "x"))
+    assert layout(wrong, (8, 40))["shard_shape"] == desc["layout"]["shard_shape"] == [4, 20]
+    pulls = receiver.pulls
+    with pytest.raises(ValueError, match=rf"uuid {desc['uuid']} .*differs from the sender's"):
+        receiver.pull(desc, wrong)
+    assert receiver.pulls == pulls
+    got = receiver.pull(desc, NamedSharding(_mesh2x2(jax.devices()[4:8]), P("x", "y")))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(rows))
+
+
 def test_a_descriptor_without_a_layout_is_refused(ends):
     _, receiver = ends
     with pytest.raises(ValueError, match="uuid 5: the descriptor announces no layout"):
