@@ -8,19 +8,33 @@ streamed line by line with a ``[i]`` prefix and its last lines kept (a
 every process has exited 0, or at the first failure: a process that exits non-zero (at
 start-up, raising, killed by a signal) or the whole launch passing ``timeout_s``. On a
 failure every process group still running is sent SIGKILL (jax catches SIGTERM), waited
-for, and :class:`LaunchError` names the process, what happened and its last lines.
+for, and :class:`LaunchError` names the process, what happened and its last lines (a
+process that was stopped, SIGSTOP or a debugger, is named rather than the healthy ones the
+cluster's heartbeat then aborts).
+
+The processes die with the launcher however it ends: Linux SIGKILLs each when the launcher
+dies (``PR_SET_PDEATHSIG``, SIGKILL of the launcher included), and ``pdjax launch`` stopped by
+SIGINT (Ctrl-C), SIGTERM or SIGHUP kills them, says so in one line and exits 128 + the signal.
+Every option is checked before anything starts (a bad one: exit 2, naming it and its value);
+a command that cannot be run is a :class:`LaunchError`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import shutil
+import signal
 import sys
+import threading
 from typing import Optional, Sequence
 
 from pdjax.arguments import check_int, check_positive
-from pdjax.cluster.supervisor import LaunchError, Supervisor, device_environ, free_port
+from pdjax.cluster.supervisor import PLATFORMS, LaunchError, Supervisor, device_environ, free_port
 
-__all__ = ["LaunchError", "build_parser", "child_environ", "free_port", "launch", "main"]
+__all__ = ["LaunchError", "Interrupted", "build_parser", "check_command", "child_environ", "free_port", "launch",
+           "main"]
 
 
 def child_environ(process_id: int, num_processes: int, coordinator: str, devices_per_process: int,
@@ -32,52 +46,136 @@ def child_environ(process_id: int, num_processes: int, coordinator: str, devices
     return device_environ(devices_per_process, {**cluster, **(env or {})}, platform)
 
 
+def check_command(command: str, env: Optional[dict] = None) -> str:
+    """The executable ``command`` runs (looked up on ``env``'s PATH, as the child will);
+    :class:`LaunchError` naming it if there is none."""
+    path = (os.environ if env is None else env).get("PATH", os.defpath)
+    found = shutil.which(command, path=path)
+    if found is None:
+        where = "" if os.sep in command else " on PATH"
+        raise LaunchError(f"cannot run {command!r}: no such executable{where}", None, None, "")
+    return found
+
+
+def _check_options(argv, num_processes, devices_per_process, timeout_s, platform, tail_lines, poll_s, names):
+    """Every argument of :func:`launch` checked (errors name ``names[k]``, the Python
+    argument or the command line's option), before anything starts; returns the count."""
+    if isinstance(argv, str) or not argv:
+        raise ValueError(f"argv must be a non-empty list of strings, got {argv!r}")
+    n = check_int(names[0], num_processes)
+    check_int(names[1], devices_per_process)
+    if timeout_s is not None:
+        check_positive(names[2], timeout_s)
+    if platform not in PLATFORMS:
+        raise ValueError(f"{names[3]} must be one of {', '.join(PLATFORMS)}, got {platform!r}")
+    if platform != "cpu" and devices_per_process != 1:
+        raise ValueError(f"{names[1]} counts simulated CPU devices ({names[3]} cpu); on {platform} the devices "
+                         f"are the machine's (set e.g. CUDA_VISIBLE_DEVICES): got {devices_per_process}")
+    check_int("tail_lines", tail_lines)
+    check_positive("poll_s", poll_s)
+    return n
+
+
 def launch(argv: Sequence[str], num_processes: int, devices_per_process: int = 1, *,
            timeout_s: Optional[float] = None, env: Optional[dict] = None, platform: str = "cpu",
            stream=sys.stdout, tail_lines: int = 20, poll_s: float = 0.05) -> list[int]:
     """Run ``argv`` as ``num_processes`` processes of one cluster (see the module docstring);
-    returns their exit codes (all 0) or raises :class:`LaunchError`. ``stream``: where the
-    prefixed output goes (None: nowhere); ``platform``: "cpu" (simulated devices) or
-    anything else (the devices are the machine's, e.g. "gpu")."""
-    if isinstance(argv, str) or not argv:
-        raise ValueError(f"argv must be a non-empty list of strings, got {argv!r}")
-    n = check_int("num_processes", num_processes)
-    check_int("devices_per_process", devices_per_process)
-    if timeout_s is not None:
-        check_positive("timeout_s", timeout_s)
+    returns their exit codes (all 0) or raises :class:`LaunchError` (a command that cannot
+    be run too). ``stream``: where the prefixed output goes (None: nowhere); ``platform``:
+    "cpu" (simulated devices) or the machine's (one of :data:`PLATFORMS`, e.g. "gpu").
+    Bad arguments raise ValueError before anything starts. Each process is SIGKILLed by
+    Linux if this process dies, however it ends (call from the main thread)."""
+    n = _check_options(argv, num_processes, devices_per_process, timeout_s, platform, tail_lines, poll_s,
+                       ("num_processes", "devices_per_process", "timeout_s", "platform"))
     coordinator = f"127.0.0.1:{free_port()}"
+    envs = [child_environ(i, n, coordinator, devices_per_process, platform, env) for i in range(n)]
+    check_command(os.fspath(argv[0]) if isinstance(argv[0], os.PathLike) else str(argv[0]), envs[0])
     with Supervisor(stream=stream, tail_lines=tail_lines) as procs:
         for i in range(n):
-            procs.start(argv, child_environ(i, n, coordinator, devices_per_process, platform, env),
-                        name=f"process {i} of {n}")
+            procs.start(argv, envs[i], name=f"process {i} of {n}", die_with_parent=True)
         return procs.wait_all(timeout_s, poll_s)
 
 
 # ---- pdjax launch ----------------------------------------------------------------------------
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+USAGE = ("pdjax launch --num-processes N [--devices-per-process D] [--timeout SECONDS] [--platform P] "
+         "-- command ...")
+
+
+class Interrupted(BaseException):
+    """The launcher got a stop signal (``signum``: SIGINT, SIGTERM or SIGHUP); raised in the
+    main thread, so that leaving the launch kills every process."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """Within: SIGINT, SIGTERM and SIGHUP raise :class:`Interrupted` (once: repeats are ignored
+    while the processes are killed); a signal this process was told to ignore (``nohup``,
+    a background job's SIGINT) stays ignored. Outside the main thread: nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+
+    def stop(signum, frame):
+        for s in previous:
+            signal.signal(s, signal.SIG_IGN)
+        raise Interrupted(signum)
+    try:
+        for s, handler in previous.items():
+            if handler is not signal.SIG_IGN:
+                signal.signal(s, stop)
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pdjax launch", description="A local cluster of processes running one "
-                                "command: pdjax launch --num-processes 2 --devices-per-process 4 -- python s.py")
-    p.add_argument("--num-processes", type=int, required=True, help="processes in the cluster")
+    p = argparse.ArgumentParser(prog="pdjax launch", usage=USAGE, description="A local cluster of processes "
+                                "running one command: pdjax launch --num-processes 2 --devices-per-process 4 "
+                                "-- python s.py. The command follows --.")
+    p.add_argument("--num-processes", type=int, required=True, help="processes in the cluster (>= 1)")
     p.add_argument("--devices-per-process", type=int, default=1,
-                   help="simulated CPU devices of each process (platform cpu)")
+                   help="simulated CPU devices of each process (platform cpu; >= 1, default 1)")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
-                   help="fail the launch (and kill every process) past this many seconds")
-    p.add_argument("--platform", default="cpu", help="cpu (simulated devices) or the machine's, e.g. gpu")
+                   help="fail the launch (and kill every process) past this many seconds (> 0)")
+    p.add_argument("--platform", default="cpu", choices=PLATFORMS,
+                   help="cpu (simulated devices) or the machine's, e.g. gpu (default cpu)")
     return p
 
 
 def main(argv=None) -> int:
+    """``pdjax launch``: 0 when every process exited 0; 1 for a failed launch, 2 for bad
+    options (before anything starts), 128 + the signal for a launcher stopped by SIGINT,
+    SIGTERM or SIGHUP (every process killed); each failure one message on stderr."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--" not in argv:
-        build_parser().error("the command to run follows --, e.g. pdjax launch --num-processes 2 -- python s.py")
-    cut = argv.index("--")
-    args = build_parser().parse_args(argv[:cut])
+    parser = build_parser()
+    cut = argv.index("--") if "--" in argv else len(argv)
+    if cut == len(argv) and not {"-h", "--help"} & set(argv):
+        parser.error("the command to run follows --, e.g. pdjax launch --num-processes 2 -- python s.py")
+    args = parser.parse_args(argv[:cut])            # --help: the usage, exit 0
     command = argv[cut + 1:]
     if not command:
-        build_parser().error("no command after --")
+        parser.error("no command after --")
     try:
-        launch(command, args.num_processes, args.devices_per_process, timeout_s=args.timeout,
-               platform=args.platform)
+        _check_options(command, args.num_processes, args.devices_per_process, args.timeout, args.platform, 20, 0.05,
+                       ("--num-processes", "--devices-per-process", "--timeout", "--platform"))
+    except ValueError as e:
+        parser.error(str(e))
+    try:
+        with stop_on_signals():
+            launch(command, args.num_processes, args.devices_per_process, timeout_s=args.timeout,
+                   platform=args.platform)
+    except (Interrupted, KeyboardInterrupt) as e:
+        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+        print(f"pdjax launch: stopped by {signal.Signals(signum).name}; every process of the launch was killed",
+              file=sys.stderr)
+        return 128 + signum
     except LaunchError as e:
         print(f"pdjax launch: {e}", file=sys.stderr)
         return 1

@@ -12,10 +12,13 @@ asks for:
   the child prints (:func:`announce_ready` prints ``PDJAX_READY {json}``);
   ``wait_until(i, ready, timeout)`` for any other sign (a ready file);
 - ``poll()`` / ``exited()`` / ``check()``: :class:`LaunchError` naming the process that died
-  (its exit code or signal and its last lines);
+  (its exit code or signal and its last lines); ``stopped()``: those alive but stopped
+  (SIGSTOP, a debugger), blamed by ``wait_all`` when a peer then dies (a cluster's heartbeat
+  aborts the healthy processes);
 - ``kill(i)`` (SIGKILL to its group: jax catches SIGTERM), ``restart(i)`` (same argv and
   environment, same index), ``close()`` (SIGKILL to every group, wait for each: no process is
-  left behind).
+  left behind); ``start(..., die_with_parent=True)``: Linux SIGKILLs the process when this
+  one dies, however it ends (SIGKILL included, where ``close()`` never runs).
 
 Child side: :func:`announce_ready`, :func:`exit_when_orphaned` (with ``orphan_pipe=True`` the
 child's stdin is a pipe from the supervisor; the child exits when it closes, i.e. when the
@@ -24,17 +27,15 @@ supervising process is gone however it ended), :func:`device_environ`.
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import json
 import os
-import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from typing import Callable, Optional, Sequence
+
+from pdjax.cluster.children import ORPHAN_PIPE_ENV, Child, ProcessSpec, describe_exit, process_state
 
 READY = "PDJAX_READY"
 
@@ -67,11 +68,16 @@ def jax_settings_environ() -> dict:
     return {name.upper(): str(value) for name in JAX_SETTINGS if (value := getattr(jax.config, name, None)) is not None}
 
 
+PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")     # what device_environ's platform may be
+
+
 def device_environ(device_count: int, extra: dict | None = None, platform: str = "cpu") -> dict:
-    """The environment of a child jax process: this one's, on ``platform`` (on "cpu" with
-    ``device_count`` simulated devices; other platforms: set the visible devices in ``extra``,
-    e.g. ``CUDA_VISIBLE_DEVICES``), unbuffered output, the pdjax this process runs importable
-    (a checkout that is not installed), then ``extra``."""
+    """The environment of a child jax process: this one's, on ``platform`` (one of
+    :data:`PLATFORMS`; on "cpu" with ``device_count`` simulated devices; other platforms: set
+    the visible devices in ``extra``, e.g. ``CUDA_VISIBLE_DEVICES``), unbuffered output, the
+    pdjax this process runs importable (a checkout that is not installed), then ``extra``."""
+    if platform not in PLATFORMS:
+        raise ValueError(f"platform must be one of {', '.join(PLATFORMS)}, got {platform!r}")
     env = dict(os.environ)
     if platform == "cpu":
         flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
@@ -92,106 +98,37 @@ def announce_ready(info: dict, prefix: str = READY) -> None:
 
 
 def exit_when_orphaned() -> None:
-    """Child side: exit at once when the supervisor's stdin pipe closes (it is gone)."""
+    """Child side: exit at once (status 0) when the supervisor's stdin pipe closes (it is gone).
+
+    Watches only a pipe a :class:`Supervisor` gave (``orphan_pipe=True``, which puts
+    ``PDJAX_ORPHAN_PIPE=1`` in the child's environment; the variable is removed here, so the
+    processes this one starts do not inherit it) and only while stdin is a pipe. Anything else
+    (a terminal, ``/dev/null``, a file, a shell's pipe) is left alone: a server started by
+    hand, in the background, under nohup or in a container with no stdin attached keeps
+    serving. The watcher reads the raw descriptor (``os.read``, not ``sys.stdin``), so no
+    buffer lock is held at interpreter exit: a start-up that fails ends with its own status,
+    not an abort."""
+    import stat
+
+    if os.environ.pop(ORPHAN_PIPE_ENV, None) != "1":
+        return
+    try:
+        if not stat.S_ISFIFO(os.fstat(0).st_mode):
+            return
+    except OSError:                              # no stdin at all
+        return
+
     def watch():
         try:
-            while sys.stdin.buffer.read(1 << 16):
+            while os.read(0, 1 << 16):
                 pass
-        finally:
-            os._exit(0)
-    threading.Thread(target=watch, daemon=True).start()
+        except OSError:
+            pass
+        os._exit(0)
+    threading.Thread(target=watch, daemon=True, name="pdjax-orphan-watch").start()
 
 
 # ---- parent side ------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class ProcessSpec:
-    """What :meth:`Supervisor.start` was given (kept for ``restart``)."""
-    argv: tuple
-    env: Optional[dict]
-    name: str
-    prefix: Optional[str]
-    orphan_pipe: bool
-    log_path: Optional[str]
-
-
-class _Process:
-    """One started process: its Popen and the thread reading its output."""
-
-    def __init__(self, spec: ProcessSpec, stream, tail_lines: int, keep: tuple):
-        self.spec, self.keep = spec, keep
-        self.tail: collections.deque = collections.deque(maxlen=tail_lines)
-        self.kept: list = []                       # lines starting with a ``keep`` prefix, never dropped
-        self.eof = False
-        self.changed = threading.Condition()
-        self.popen = subprocess.Popen(list(spec.argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.PIPE if spec.orphan_pipe else subprocess.DEVNULL,
-                                      env=spec.env, start_new_session=True)
-        self.reader = threading.Thread(target=self._read, args=(stream,), daemon=True,
-                                       name=f"pdjax-supervisor-{spec.name}")
-        self.reader.start()
-
-    def _read(self, stream) -> None:
-        log = open(self.spec.log_path, "a", errors="replace") if self.spec.log_path else None
-        try:
-            for raw in self.popen.stdout:
-                line = raw.decode(errors="replace").rstrip("\n")
-                with self.changed:
-                    self.tail.append(line)
-                    if line.startswith(self.keep):
-                        self.kept.append(line)
-                    self.changed.notify_all()
-                if stream is not None:
-                    stream.write(f"{self.spec.prefix} {line}\n" if self.spec.prefix else f"{line}\n")
-                    stream.flush()
-                if log is not None:
-                    log.write(line + "\n")
-                    log.flush()
-        finally:
-            if log is not None:
-                log.close()
-            with self.changed:
-                self.eof = True
-                self.changed.notify_all()
-
-    def kill(self) -> None:
-        """SIGKILL its whole process group (it and anything it started), if it still runs."""
-        if self.popen.poll() is None:
-            try:
-                os.killpg(self.popen.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-    def reap(self, timeout: float = 30.0) -> None:
-        try:
-            self.popen.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pass
-        if self.popen.stdin is not None:
-            try:
-                self.popen.stdin.close()
-            except OSError:
-                pass
-        self.reader.join(timeout=2)
-        self.popen.stdout.close()
-
-    def tail_text(self, lines: Optional[int] = None) -> str:
-        if self.popen.poll() is not None:
-            self.reader.join(timeout=2)
-        with self.changed:
-            out = list(self.tail)
-        return "\n".join(out if lines is None else out[-lines:])
-
-
-def describe_exit(code: int) -> str:
-    """'exited with code 3' / 'was killed by signal SIGKILL'."""
-    if code < 0:
-        try:
-            return f"was killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
-
-
 class Supervisor:
     """Processes started and watched together (see the module docstring). ``stream``: where
     prefixed output goes (None: nowhere, the tail and log files only); ``tail_lines``: the
@@ -200,23 +137,33 @@ class Supervisor:
 
     def __init__(self, *, stream=None, tail_lines: int = 200, keep: Sequence[str] = (READY,)):
         self.stream, self.tail_lines, self.keep = stream, tail_lines, tuple(keep)
-        self._procs: list[_Process] = []
+        self._procs: list[Child] = []
         self.restarts: list[int] = []
         self.started: list[int] = []             # every pid started, restarts included
 
     def start(self, argv: Sequence[str], env: Optional[dict] = None, *, name: Optional[str] = None,
-              prefix: Optional[str] = None, orphan_pipe: bool = False, log_path: Optional[str] = None) -> int:
+              prefix: Optional[str] = None, orphan_pipe: bool = False, log_path: Optional[str] = None,
+              die_with_parent: bool = False) -> int:
         """Start ``argv`` with environment ``env`` (None: this process's) in a process group
         of its own; returns its index. ``name`` names it in errors (default "process i");
         ``prefix``: its streamed lines' prefix (default "[i]"); ``orphan_pipe``: its stdin is a
         pipe that closes when this process ends (see :func:`exit_when_orphaned`);
-        ``log_path``: a file its whole output is appended to."""
+        ``log_path``: a file its whole output is appended to; ``die_with_parent``: Linux
+        SIGKILLs it when this process dies, however it ends (call from the main thread: see
+        :func:`~pdjax.cluster.children.die_with_parent_argv`). A command that cannot be started
+        (not found, not executable) raises :class:`LaunchError` naming it."""
         if isinstance(argv, str) or not argv:
             raise ValueError(f"argv must be a non-empty list of strings, got {argv!r}")
         i = len(self._procs)
         spec = ProcessSpec(tuple(str(a) for a in argv), None if env is None else dict(env),
-                           name or f"process {i}", prefix if prefix is not None else f"[{i}]", orphan_pipe, log_path)
-        self._procs.append(_Process(spec, self.stream, self.tail_lines, self.keep))
+                           name or f"process {i}", prefix if prefix is not None else f"[{i}]", orphan_pipe, log_path,
+                           die_with_parent)
+        try:
+            child = Child(spec, self.stream, self.tail_lines, self.keep)
+        except (OSError, subprocess.SubprocessError) as e:
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise LaunchError(f"{spec.name} could not be started: {spec.argv[0]!r}: {why}", i, None, "") from e
+        self._procs.append(child)
         self.restarts.append(0)
         self.started.append(self._procs[i].popen.pid)
         return i
@@ -314,7 +261,7 @@ class Supervisor:
         old = self._procs[i]
         old.kill()
         old.reap()
-        self._procs[i] = _Process(old.spec, self.stream, self.tail_lines, self.keep)
+        self._procs[i] = Child(old.spec, self.stream, self.tail_lines, self.keep)
         self.restarts[i] += 1
         self.started.append(self._procs[i].popen.pid)
         return self._procs[i].popen.pid
@@ -327,20 +274,43 @@ class Supervisor:
         while True:
             try:
                 self.check(exit_ok=True)
-            except LaunchError:
+            except LaunchError as e:
+                blamed = self.blame_stopped(e)
                 self.close()
-                raise
+                if blamed is e:
+                    raise
+                raise blamed from e
             codes = self.poll()
             if all(c == 0 for c in codes):
                 return codes
             if deadline is not None and time.monotonic() > deadline:
-                running = [i for i, c in enumerate(codes) if c is None]
+                running, stopped = [i for i, c in enumerate(codes) if c is None], self.stopped()
                 self.close()
                 tails = "\n".join(f"{self._procs[i].spec.prefix} {line}" for i in running
                                   for line in self.tail(i, 5).splitlines())
                 raise LaunchError(f"the {what} passed its timeout of {timeout_s:g} s with processes {running} "
-                                  f"still running; their last output lines:\n{tails}", None, None, tails)
+                                  f"still running{f' ({stopped} stopped: SIGSTOP or a debugger)' if stopped else ''}"
+                                  f"; their last output lines:\n{tails}", None, None, tails)
             time.sleep(poll_s)
+
+    def stopped(self) -> list[int]:
+        """Indices of the processes that are stopped (state ``T``: SIGSTOP, SIGTSTP; ``t``:
+        a debugger): alive, but answering nothing."""
+        return [i for i, p in enumerate(self._procs)
+                if p.popen.poll() is None and process_state(p.popen.pid) in ("T", "t")]
+
+    def blame_stopped(self, err: LaunchError) -> LaunchError:
+        """``err`` (process ``err.process`` ended), or, if another process is stopped, a
+        LaunchError naming that one: a stopped process misses the cluster's heartbeats and
+        the distributed runtime then aborts the healthy ones (SIGABRT), which are not to blame."""
+        stopped = [i for i in self.stopped() if i != err.process]
+        if not stopped or err.process is None:
+            return err
+        i, tail = stopped[0], self.tail(stopped[0])
+        return LaunchError(f"{self.name(i)} was stopped (SIGSTOP, SIGTSTP or a debugger) and stopped answering; "
+                           f"then {self.name(err.process)} {describe_exit(err.returncode)} (a peer that stops "
+                           f"answering fails the cluster); last output lines of {self.name(i)}:\n{tail}",
+                           i, None, tail)
 
     def kill_all(self) -> None:
         """SIGKILL every process group still running (without waiting)."""

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pdjax.arguments import check_int, check_positive
 from pdjax.cluster.supervisor import Supervisor, announce_ready, device_environ
 from pdjax.cluster.transfer import LOOPBACK, ArrayReceiver, ArraySender, Control, listen, start_transfer_server
 from pdjax.disagg.afd_ffn import ROUTED, FFNPool, incoming, leaf_bytes, outgoing
@@ -149,6 +150,7 @@ class FFNServer:
     ``host``. Serves every attention connection on its own thread, calls in order."""
 
     def __init__(self, params, cfg, devices, *, host: str = LOOPBACK, pull_timeout_s: float = 60.0):
+        check_positive("pull_timeout_s", pull_timeout_s)
         self.pool = FFNPool(params, cfg, list(devices))
         self.fingerprint = routed_fingerprint(self.pool.params)
         self.sender = ArraySender(start_transfer_server(jax.local_devices(), host))
@@ -204,6 +206,10 @@ class FFNProcess:
     def __init__(self, preset: str = "tiny", seed: int = 0, *, devices: int = 4, host: str = LOOPBACK,
                  pull_timeout_s: float = 60.0, env: dict | None = None, startup_timeout: float = 120.0,
                  stream=None, serve_command=None):
+        check_int("devices", devices)
+        check_int("seed", seed, 0, 2**32 - 1)
+        check_positive("pull_timeout_s", pull_timeout_s)
+        check_positive("startup_timeout", startup_timeout)
         serve = list(serve_command or [sys.executable, "-m", "pdjax", "serve"])
         self.procs = Supervisor(stream=stream, tail_lines=200)
         self.procs.start([*serve, "--role", "ffn", "--preset", preset, "--seed", str(seed), "--host", host,

@@ -32,6 +32,7 @@ import threading
 
 import jax
 
+from pdjax.arguments import check_int, check_positive
 from pdjax.cluster.supervisor import announce_ready
 from pdjax.disagg.decode import DecodePool
 from pdjax.disagg.link import checksum
@@ -49,8 +50,13 @@ class DecodeServer:
     def __init__(self, params, cfg, mesh_axes: dict, *, slots: int, block_size: int, max_context: int,
                  num_blocks: int | None = None, max_prefill_attempts: int = 3, handoff_timeout_s: float = 30.0,
                  pull_timeout_s: float = 60.0, host: str = LOOPBACK):
-        if not handoff_timeout_s > 0:
-            raise ValueError(f"handoff_timeout_s must be > 0, got {handoff_timeout_s}")
+        for name, value in (("slots", slots), ("block_size", block_size), ("max_context", max_context),
+                            ("max_prefill_attempts", max_prefill_attempts)):
+            check_int(name, value)
+        if num_blocks is not None:
+            check_int("num_blocks", num_blocks, 2)
+        check_positive("handoff_timeout_s", handoff_timeout_s)
+        check_positive("pull_timeout_s", pull_timeout_s)
         self.cfg, self.max_context, self.handoff_timeout_s = cfg, max_context, handoff_timeout_s
         self.pool = DecodePool(params, cfg, mesh_devices(mesh_axes), mesh_axes, slots=slots,
                                block_size=block_size, max_context=max_context, num_blocks=num_blocks)

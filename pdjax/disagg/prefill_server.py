@@ -24,6 +24,7 @@ import threading
 
 import jax
 
+from pdjax.arguments import check_int
 from pdjax.cluster.supervisor import announce_ready
 from pdjax.disagg.prefill import PrefillPool
 from pdjax.disagg.prefix_store import PrefixStore
@@ -42,10 +43,13 @@ def ready_info(role: str, listener, transfer_address: str) -> dict:
 
 
 def mesh_devices(mesh_axes: dict) -> list:
-    """This process's first prod(mesh) devices (ValueError if it has fewer)."""
+    """This process's first prod(mesh) devices (ValueError if a size is not a positive
+    integer or it has fewer)."""
+    if not isinstance(mesh_axes, dict) or not mesh_axes:
+        raise ValueError(f"mesh_axes must be a non-empty dict of axis name -> size, got {mesh_axes!r}")
     n = 1
-    for v in mesh_axes.values():
-        n *= v
+    for name, v in mesh_axes.items():
+        n *= check_int(f"mesh axis {name!r}", v)
     devices = jax.local_devices()
     if n > len(devices):
         raise ValueError(f"mesh {mesh_axes} needs {n} devices, this process has {len(devices)}")
@@ -59,6 +63,7 @@ class PrefillServer:
 
     def __init__(self, params, cfg, mesh_axes: dict, *, block_size: int = 16, prefix_cache: dict | None = None,
                  link_wrapper=None, host: str = LOOPBACK):
+        check_int("block_size", block_size)
         self.pool = PrefillPool(params, cfg, mesh_devices(mesh_axes), mesh_axes)
         self.store = None
         if prefix_cache is not None:
