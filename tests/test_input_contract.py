@@ -301,7 +301,10 @@ def test_engine_generate_refuses_bad_arguments(compile_counter, engines, kind, d
     eng = engines[kind]
     bad = {"max_new_tokens": bad_count().filter(lambda v: not isinstance(v, list)),   # a list: one per request
            "prompts": st.sampled_from([[], "12", None, 5]),
-           "stop_tokens": st.sampled_from(["x", [1.5], [-1], [10 ** 6], None])}
+           "stop_tokens": st.sampled_from(["x", [1.5], [-1], [10 ** 6], None]),
+           "arrival_times": st.one_of(st.lists(st.one_of(NON_FINITE, st.floats(max_value=-1e-9), NOT_NUMBERS, BOOLS),
+                                               min_size=1, max_size=1),
+                                      st.sampled_from([[], [0.0, 1.0], "0", 0.5]))}   # one per prompt: 1 here
     if kind != "AF":
         bad["retention"] = st.sampled_from([3, None, ["chat"]])
     arg = data.draw(st.sampled_from(sorted(bad)), label="argument")

@@ -15,7 +15,8 @@ from hypothesis import given, strategies as st
 
 import pdjax
 import pdjax.pipeline as pp
-from tests.test_input_contract import SETTINGS, bad_count, refused
+from pdjax.cluster import LaunchError
+from tests.test_input_contract import BOOLS, NON_FINITE, NOT_NUMBERS, SETTINGS, bad_count, refused
 
 PATHS = st.sampled_from([None, 3, 1.5, b"/tmp/x", ["a"], object()])
 
@@ -102,3 +103,83 @@ def test_train_refuses_bad_arguments(compile_counter, tmp_path_factory, tiny_cfg
 def test_executor_step_refuses_bad_tokens(compile_counter, tiny_params, trainer, tokens):
     _, ex = trainer
     refused(compile_counter, lambda: ex.step(tiny_params, tokens), "tokens", "batch")
+
+
+# ---- the launcher, jax.distributed set-up, pdjax serve ---------------------------------------------
+@pytest.fixture
+def nothing_starts(monkeypatch):
+    """Starting a process fails the test: every check must come first."""
+    from pdjax.cluster import supervisor
+
+    def started(*args, **kwargs):
+        raise AssertionError("a process was started before the bad argument was refused")
+    monkeypatch.setattr(supervisor.Supervisor, "start", started)
+
+
+@SETTINGS
+@given(data=st.data())
+def test_launch_refuses_bad_arguments(compile_counter, nothing_starts, data):
+    from pdjax.cluster.launch import launch
+    bad = {"num_processes": bad_count(), "devices_per_process": bad_count(),
+           "timeout_s": st.one_of(NOT_NUMBERS.filter(lambda v: v is not None), BOOLS, NON_FINITE,
+                                  st.floats(max_value=0.0, allow_nan=False)),
+           "platform": st.one_of(st.sampled_from(["cpuu", "", "CPU ", None, 3]), st.text(max_size=6).filter(
+               lambda t: t not in ("cpu", "gpu", "cuda", "rocm", "tpu"))),
+           "argv": st.sampled_from([[], "python", None, [3], ["pdjax-no-such-command-xyz"]])}
+    arg = data.draw(st.sampled_from(sorted(bad)), label="argument")
+    value = data.draw(bad[arg], label="value")
+    kwargs = {"argv": ["true"], "num_processes": 2, "devices_per_process": 1, "timeout_s": 10.0,
+              "platform": "cpu", arg: value}
+    with compile_counter() as compiles:
+        with pytest.raises((ValueError, TypeError, LaunchError)) as err:
+            launch(kwargs.pop("argv"), **kwargs)
+    text = str(err.value)
+    assert arg in text or (arg == "argv" and ("command" in text or "cannot run" in text)), text
+    assert compiles.count == 0
+
+
+@SETTINGS
+@given(data=st.data())
+def test_initialize_refuses_bad_arguments_and_environments(data):
+    from pdjax.cluster import process
+    timeouts = st.one_of(NOT_NUMBERS.filter(lambda v: v is not None), BOOLS, st.floats(),
+                         st.integers(max_value=0))
+    bad = {"heartbeat_timeout_s": timeouts, "shutdown_timeout_s": timeouts, "initialization_timeout_s": timeouts,
+           "PDJAX_COORDINATOR": st.sampled_from(["localhost", ":123", "host:", "host:port", "h:12:x"]),
+           "PDJAX_NUM_PROCESSES": st.sampled_from(["0", "-2", "two", "1.5", ""]),
+           "PDJAX_PROCESS_ID": st.sampled_from(["2", "-1", "x", "0.0"])}
+    arg = data.draw(st.sampled_from(sorted(bad)), label="argument")
+    value = data.draw(bad[arg], label="value")
+    if arg.startswith("PDJAX_"):
+        env = {"PDJAX_COORDINATOR": "127.0.0.1:1234", "PDJAX_NUM_PROCESSES": "2", "PDJAX_PROCESS_ID": "1", arg: value}
+        with pytest.raises(ValueError, match=arg):
+            process.cluster_spec(env)
+        return
+    with pytest.raises((ValueError, TypeError), match=arg):   # the arguments come first: nothing joins
+        process.initialize(**{arg: value})
+
+
+SERVE_BAD = {"--block-size": st.sampled_from(["0", "-16", "x", "1.5"]), "--max-context": st.sampled_from(["0", "-1", "x"]),
+             "--slots": st.sampled_from(["0", "-4", "3", "x"]), "--num-blocks": st.sampled_from(["1", "0", "-1"]),
+             "--pull-timeout": st.sampled_from(["-1", "0", "nan", "inf", "x"]),
+             "--handoff-timeout": st.sampled_from(["-1", "0", "nan", "inf"]),
+             "--max-prefill-attempts": st.sampled_from(["0", "-1", "1.5"]), "--seed": st.sampled_from(["-1", "x", "1e3"]),
+             "--mesh": st.sampled_from(['{"expert": -4}', '{"expert": 0}', '{"exprt": 2}', '[2]', '{}', 'x', '{"data": 1.5}']),
+             "--preset": st.sampled_from(["huge", "", "TINY"]), "--host": st.sampled_from(["", "192.0.2.1", "no such host"])}
+
+
+@SETTINGS
+@given(data=st.data())
+def test_serve_refuses_bad_options_before_anything_starts(monkeypatch, capsys, data):
+    from pdjax.disagg import serve
+    monkeypatch.setattr(serve, "exit_when_orphaned", lambda: None)
+
+    def started(*args, **kwargs):
+        raise AssertionError("serve.main went on to build the params")
+    monkeypatch.setattr(serve, "init_params", started)
+    option = data.draw(st.sampled_from(sorted(SERVE_BAD)), label="option")
+    value = data.draw(SERVE_BAD[option], label="value")
+    with pytest.raises(SystemExit) as e:
+        serve.main(["--role", "decode", option, value])
+    assert e.value.code == 2
+    assert option in capsys.readouterr().err
