@@ -51,8 +51,9 @@ def _kill(pids) -> None:
             pass
 
 
-def _default_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)    # not ignored, even if this test run's SIGINT is
+def _default_stop_signals() -> None:
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):   # not ignored, even if this test run's are
+        signal.signal(sig, signal.SIG_DFL)                       # (a background job's SIGINT, nohup's SIGHUP)
 
 
 def _start_launcher(tmp_path, n: int = 2):
@@ -61,7 +62,7 @@ def _start_launcher(tmp_path, n: int = 2):
     out, err = tmp_path / "out", tmp_path / "err"
     with open(out, "w") as o, open(err, "w") as e:
         proc = subprocess.Popen([PY, "-m", "pdjax", "launch", "--num-processes", str(n), "--", PY, "-c", PAUSE],
-                                stdout=o, stderr=e, preexec_fn=_default_sigint)
+                                stdout=o, stderr=e, preexec_fn=_default_stop_signals)
 
     def pids():
         found = dict(re.findall(r"^\[(\d+)\] (\d+)$", out.read_text(), re.M))
