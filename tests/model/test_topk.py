@@ -2,6 +2,7 @@
 floats, ties, every non-finite value and signed zeros, integers, any k from 0 to n; and it
 compiles to a program XLA:CPU can serialize (so a MoE stage relocates, tests/pipeline/test_cold_start.py)."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,6 +42,20 @@ def test_top_k_is_lax_top_k_exactly():
         va, vb = np.asarray(va), np.asarray(vb)
         assert np.array_equal(np.asarray(ia), np.asarray(ib)), (x, k)
         assert va.dtype == vb.dtype and va.tobytes() == vb.tobytes(), (x, k)    # bitwise: NaN, -0.0
+
+
+class TopKJittedAndNot(chex.TestCase):
+    """The same exactness through both paths a user can take: top_k called eagerly (op by op)
+    and under jit (one XLA program), against jax.lax.top_k taken the same way."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_top_k_is_lax_top_k_exactly(self):
+        ours = self.variant(top_k, static_argnums=1)
+        theirs = self.variant(jax.lax.top_k, static_argnums=1)
+        for x, k in _cases()[:16]:
+            (vb, ib), (va, ia) = ours(jnp.asarray(x), k), theirs(jnp.asarray(x), k)
+            chex.assert_trees_all_equal(ib, ia, strict=True)
+            assert np.asarray(va).tobytes() == np.asarray(vb).tobytes(), (x, k)    # bitwise: NaN, -0.0
 
 
 def test_bad_k_is_refused():

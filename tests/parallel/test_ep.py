@@ -3,6 +3,7 @@ accounting is exact; meshes and rules reject bad input."""
 
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -191,7 +192,7 @@ def test_padding_never_takes_capacity_from_real_tokens(tiny_cfg, tiny_params):
     p = tiny_params["layers"][1]["moe"]
     x = jax.random.normal(jax.random.key(4), (32, cfg.hidden_size))
     ep = ExpertParallel(mesh, capacity_factor=1.0)
-    run = jax.jit(lambda p, x, v: ep_moe(p, cfg, x, ep, v))
+    run = jax.jit(chex.assert_max_traces(lambda p, x, v: ep_moe(p, cfg, x, ep, v), n=1))   # one program for both masks
     first = np.tile([False, False, True, True], 8)                    # per device: padding, then real
     last = np.tile([True, True, False, False], 8)
     perm = np.concatenate([np.r_[4 * d + 2, 4 * d + 3, 4 * d, 4 * d + 1] for d in range(8)])
