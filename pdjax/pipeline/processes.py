@@ -56,6 +56,8 @@ import numpy as np
 
 from pdjax.cluster.supervisor import LaunchError, Supervisor, device_environ, jax_settings_environ
 
+PEER_DEATH_GRACE_S = 3.0    # how long a rank's error waits to see whether a peer died first (its cause)
+
 TRANSPORTS = ("shm", "transfer")
 
 
@@ -157,6 +159,16 @@ class RankProcesses:
             threading.Thread(target=read, daemon=True, name=f"pdjax-ranks-parent{r}").start()
             self._ctl.append(ctl)
 
+    def _peer_deaths(self, r: int) -> list[int]:
+        """The processes seen exited, waiting up to :data:`PEER_DEATH_GRACE_S` for one when
+        none has yet: a worker killed mid-step closes its sockets (its peer's error, e.g. a
+        connection reset, can arrive first) before its exit can be seen, and on a loaded
+        machine that gap is not short. Only an error path waits."""
+        deadline = time.monotonic() + PEER_DEATH_GRACE_S
+        while not (dead := self.procs.exited()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return dead
+
     def _ask(self, msgs) -> list[dict]:
         """Send each worker its message; return their answers in rank order. The first
         failure (an error, a worker gone, no answer within ``timeout_s``) stops every worker
@@ -180,7 +192,7 @@ class RankProcesses:
             if reply is None:
                 reply = {"op": "error", "error": f"the process exited (code {self.procs.poll()[r]})"}
             if reply.get("op") == "error":
-                dead = self.procs.exited()
+                dead = self._peer_deaths(r)
                 if dead and r not in dead:    # a peer's death is the cause, not this rank's error
                     why = (f"the process exited (code {self.procs.poll()[dead[0]]}); "
                            f"rank {r} then failed: {reply['error'][:300]}")

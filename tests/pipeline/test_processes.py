@@ -110,3 +110,32 @@ def test_rank_processes_dead_worker_fails_fast(ranks, exec_tokens):
         ranks.step(exec_tokens)
     assert time.monotonic() - t < 60 < ranks.timeout_s
     assert ranks.procs is None and all(_gone(pid) for pid in pids)
+
+
+def test_an_error_waits_briefly_for_a_peer_death_that_is_its_cause():
+    """A worker killed mid-step closes its sockets before its exit can be seen: a peer's
+    'connection reset' may come first. The error path waits (boundedly) to see a death, so
+    the dead rank is named, not the peer that noticed it; with no death it gives up after
+    the grace, not at the step's timeout."""
+    from pdjax.pipeline import processes
+
+    class Lagging:                       # rank 1's exit becomes visible 0.3 s after the first look
+        def __init__(self, lag):
+            self.first, self.lag = None, lag
+
+        def exited(self):
+            now = time.monotonic()
+            self.first = self.first or now
+            return [1] if self.lag is not None and now - self.first >= self.lag else []
+
+        def close(self):
+            pass
+    rp = object.__new__(processes.RankProcesses)     # only its error path: no workers, nothing to close
+    rp._ctl, rp._dir = [], None
+    rp.procs = Lagging(0.3)
+    assert rp._peer_deaths(0) == [1]
+    rp.procs = Lagging(None)
+    t = time.monotonic()
+    assert rp._peer_deaths(0) == []
+    assert processes.PEER_DEATH_GRACE_S <= time.monotonic() - t < processes.PEER_DEATH_GRACE_S + 5
+    rp.procs = None
