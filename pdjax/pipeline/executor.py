@@ -309,9 +309,10 @@ class Executor:
     def step(self, params, tokens):
         """One training step: ``(loss, grads)`` equal to ``jax.value_and_grad`` of the unsplit
         model's mean next-token loss over ``tokens`` [B,T] (split into the schedule's
-        micro-batches in order), grads placed like ``params``."""
-        self.check_params(params)
+        micro-batches in order), grads placed like ``params``. The batch is checked first (on
+        the host: nothing is traced or compiled for a bad one), then the params."""
         tokens = self.check_batch(tokens)
+        self.check_params(params)
         loss, stage_grads = self._run(self.place(params), tokens)
         if self.spanning is not None:     # this process's part, then summed over the processes
             lead = jax.sharding.SingleDeviceSharding(self.spanning.lead)
