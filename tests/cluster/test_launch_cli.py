@@ -51,9 +51,12 @@ def _kill(pids) -> None:
             pass
 
 
-def _default_stop_signals() -> None:
-    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):   # not ignored, even if this test run's are
-        signal.signal(sig, signal.SIG_DFL)                       # (a background job's SIGINT, nohup's SIGHUP)
+# SIGINT, SIGHUP, SIGTERM at their defaults in the launcher, even if this test run ignores them
+# (a background job's SIGINT, nohup's SIGHUP): reset in a small exec wrapper, not a preexec_fn
+# (which forks this multithreaded jax process)
+DEFAULT_STOP_SIGNALS = ("import os, signal, sys\n"
+                        "for s in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM): signal.signal(s, signal.SIG_DFL)\n"
+                        "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
 
 
 def _start_launcher(tmp_path, n: int = 2):
@@ -61,8 +64,8 @@ def _start_launcher(tmp_path, n: int = 2):
     its processes, its stderr path) once every process has printed its pid."""
     out, err = tmp_path / "out", tmp_path / "err"
     with open(out, "w") as o, open(err, "w") as e:
-        proc = subprocess.Popen([PY, "-m", "pdjax", "launch", "--num-processes", str(n), "--", PY, "-c", PAUSE],
-                                stdout=o, stderr=e, preexec_fn=_default_stop_signals)
+        proc = subprocess.Popen([PY, "-c", DEFAULT_STOP_SIGNALS, "-m", "pdjax", "launch", "--num-processes", str(n),
+                                 "--", PY, "-c", PAUSE], stdout=o, stderr=e)
 
     def pids():
         found = dict(re.findall(r"^\[(\d+)\] (\d+)$", out.read_text(), re.M))
