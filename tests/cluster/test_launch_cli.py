@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+from pdjax.cluster.children import process_state
 from pdjax.cluster import LaunchError, launch
 from pdjax.cluster.launch import main
 
@@ -28,11 +29,7 @@ DEADLINE_S = 90.0                       # a loaded machine starts three Pythons 
 
 def _alive(pid: int) -> bool:
     """In the process table and not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    return process_state(pid) not in (None, "Z")
 
 
 def _wait(condition, what: str, timeout: float = DEADLINE_S):

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from pdjax.cluster.children import process_state
 from pdjax.cluster.supervisor import LaunchError, Supervisor, announce_ready
 
 PY = sys.executable
@@ -19,11 +20,7 @@ PY = sys.executable
 
 def _alive(pid: int) -> bool:
     """In the process table and not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    return process_state(pid) not in (None, "Z")
 
 
 def _child(code: str) -> list:
