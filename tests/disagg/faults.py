@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pdjax.cluster.children import process_state
 from pdjax.disagg.link import Cancelled
 from pdjax.disagg.request import Clock
 
@@ -242,11 +243,7 @@ def inject_prefill_fault(server, **fault) -> dict:
 
 def alive(pid: int) -> bool:
     """Whether ``pid`` is in the process table and not a zombie (read from /proc)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    return process_state(pid) not in (None, "Z")
 
 
 def corrupt_block(store, block_hash: int) -> str:
