@@ -36,7 +36,7 @@ def main(n: int = 100_000) -> None:
                             output={"kind": "lognormal", "mean": 256, "cv": 0.8, "high": 2048},
                             system_prompts=16, system_prompt_len=1024,
                             turns={"kind": "uniform", "low": 1, "high": 3}, think_time=5.0)
-    reqs = sim.generate(spec)
+    reqs = sim.sample_requests(spec)
     print(f"workload: {n:,} requests generated in {time.perf_counter() - t:.2f} s")
     slo = sim.SLO(ttft=2.0, tpot=0.03)
     link = 32 * 50e9
@@ -52,7 +52,7 @@ def main(n: int = 100_000) -> None:
             walls = []
             for _ in range(REPEATS):
                 t = time.perf_counter()
-                res = sim.simulate(dep, c, reqs, slo=slo, prefix_cache=cache() if cache else None)
+                res = sim.simulate_serving(dep, c, reqs, slo=slo, prefix_cache=cache() if cache else None)
                 walls.append(time.perf_counter() - t)
             wall = statistics.median(walls)
             rps[name] = n / wall

@@ -2,7 +2,6 @@
 parts (schedules, analysis, the serving simulator) load neither jax nor tensorstore."""
 
 import json
-import re
 import subprocess
 import sys
 
@@ -32,7 +31,7 @@ def test_every_subpackage_is_an_attribute_of_pdjax():
     for name in pdjax.SUBPACKAGES:
         assert getattr(pdjax, name).__name__ == f"pdjax.{name}"
         assert name in dir(pdjax)
-    assert callable(pdjax.analysis.report) and callable(pdjax.pipeline.build) and callable(pdjax.sim.simulate)
+    assert callable(pdjax.analysis.report) and callable(pdjax.pipeline.build) and callable(pdjax.sim.simulate_serving)
     assert pdjax.disagg.PDEngine.__name__ == "PDEngine" and callable(pdjax.parallel.make_mesh)
     assert callable(pdjax.model.transformer.layer) and callable(pdjax.init_params)
     with pytest.raises(AttributeError, match="no attribute 'nonsense'"):
@@ -56,37 +55,41 @@ print(matplotlib.get_backend(), "matplotlib.pyplot" in sys.modules)
     assert (tmp_path / "g.png").stat().st_size > 1000
 
 
-@pytest.mark.parametrize("old,new", [
-    ("pdjax.pipeline.zbv", "pdjax.schedules.greedy.zbv"),
-    ("pdjax.pipeline.run_bubble_sweep", "pdjax.experiments.bubble_sweep.run_bubble_sweep"),
-    ("pdjax.analysis.GiB", "pdjax.analysis.units.GiB"),
-    ("pdjax.analysis.microbatches_for_bubble", "pdjax.schedules.formulas.min_microbatches_1f1b"),
-    ("pdjax.analysis.calibrate", "pdjax.timing.calibrate"),
-    ("pdjax.analysis.afd", "pdjax.analysis.afd_bounds"),
-    ("pdjax.analysis.fit_prefill_cost", "pdjax.analysis.costmodel_fit.fit_prefill_cost"),
-    ("pdjax.analysis.fit_decode_cost", "pdjax.analysis.costmodel_fit.fit_decode_cost"),
-    ("pdjax.sim.percentiles", "pdjax.sim.metrics.percentiles"),
-    ("pdjax.sim.search", "pdjax.sim.sweeps"),
-])
-def test_names_that_left_a_face_keep_a_deprecated_alias(old, new):
-    """A name that left a subpackage's face (or moved, or was renamed) still resolves at its old
-    path for one release, to the very object at its new home, with a DeprecationWarning
-    naming that home."""
+@pytest.mark.parametrize("old", ["pdjax.pipeline.zbv", "pdjax.pipeline.run_bubble_sweep", "pdjax.analysis.GiB",
+                                 "pdjax.analysis.calibrate", "pdjax.sim.percentiles", "pdjax.disagg.launch_two_process",
+                                 "pdjax.disagg.TwoProcessServer", "pdjax.disagg.FFNProcess", "pdjax.experiments.report"])
+def test_no_deprecated_aliases(old):
+    """0.2.0 has no aliases: a name that moved is found only at its new home (CHANGELOG.md
+    lists old -> new), and its old path is an AttributeError."""
+    import importlib.util
+    package, name = old.rsplit(".", 1)
+    with pytest.raises(AttributeError, match=f"has no attribute {name!r}"):
+        getattr(importlib.import_module(package), name)
+    assert importlib.util.find_spec("pdjax.deprecation") is None
+
+
+def test_submodules_are_attributes_on_first_use():
+    """A submodule the package's face did not import (``pdjax.sim.cost_fit``) is an attribute
+    without a second import line, imported then."""
+    code = ("import pdjax.sim, pdjax.analysis, sys\n"
+            "assert 'pdjax.sim.cost_fit' not in sys.modules\n"
+            "print(pdjax.sim.cost_fit.__name__, pdjax.analysis.units.GiB)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["pdjax.sim.cost_fit", str(2**30)]
+
+
+def test_a_public_name_means_one_thing_across_the_faces():
+    """No name is on two faces (``pdjax.__all__`` and every subpackage's ``__all__``) as two
+    different objects: ``pdjax.pipeline.simulate`` is ``pdjax.schedules.simulate``, and the
+    serving simulator's is ``simulate_serving``."""
     import importlib
 
-    def resolve(path):
-        parts = path.split(".")
-        for n in range(len(parts), 0, -1):
-            try:
-                obj = importlib.import_module(".".join(parts[:n]))
-            except ModuleNotFoundError:
-                continue
-            for a in parts[n:]:
-                obj = getattr(obj, a)
-            return obj
-
-    package, name = old.rsplit(".", 1)
-    with pytest.warns(DeprecationWarning, match=re.escape(f"moved to {new}")):
-        got = getattr(importlib.import_module(package), name)
-    assert got is resolve(new)
-    assert name not in importlib.import_module(package).__all__
+    import pdjax
+    faces = {"pdjax": pdjax, **{s: importlib.import_module(f"pdjax.{s}") for s in pdjax.SUBPACKAGES}}
+    seen: dict = {}
+    for face, module in faces.items():
+        for name in getattr(module, "__all__", ()):
+            seen.setdefault(name, {})[face] = getattr(module, name)
+    clashes = {name: sorted(where) for name, where in seen.items() if len({id(o) for o in where.values()}) > 1}
+    assert not clashes, f"one name, different objects on these faces: {clashes}"

@@ -228,7 +228,8 @@ def _other_calls(cfg):
                    analysis.report(cfg, hw, link=link, context_len=context_len, ep_size=ep_size,
                                    bubble_target=bubble_target),
                    {"hw": st.sampled_from(["nope", None, 3]), "link": st.sampled_from(["nvlink", None, 1]),
-                    "context_len": bad_count(), "ep_size": bad_count(), "bubble_target": bad_real(positive=True)},
+                    "context_len": bad_count(), "ep_size": bad_count().filter(lambda v: v is not None),
+                    "bubble_target": bad_real(positive=True)},
                    {"hw": ("hardware",)}),
         "WorkloadSpec": (lambda num_requests=4, rate=1.0, think_time=0.0, system_prompts=0, cv=1.0, seed=0:
                          sim.WorkloadSpec(num_requests, rate, think_time=think_time, system_prompts=system_prompts,

@@ -94,7 +94,7 @@ def test_train_refuses_bad_arguments(compile_counter, tmp_path_factory, tiny_cfg
     value = data.draw(bad[arg], label="value")
     kwargs = {"data": np.zeros((3, 8, 16), np.int32), "steps": 2, "checkpoint_dir": str(tmp / "ck"), arg: value}
     before = sorted(os.listdir(tmp))
-    refused(compile_counter, lambda: pp.train(tiny_cfg, schedule, executor=ex, **kwargs), arg, "tokens")
+    refused(compile_counter, lambda: pp.train(schedule, tiny_cfg, executor=ex, **kwargs), arg, "tokens")
     assert sorted(os.listdir(tmp)) == before, "a refused train wrote a checkpoint"
 
 

@@ -149,7 +149,7 @@ def pd_af() -> Figure:
     distributions); AF ping-pong: the layer cycle against the exchange time for m
     micro-batches."""
     cost = sim.LinearStepCost.from_roofline(pdjax.configs.deepseek_v3(), "h800", ep_size=32)
-    reqs = sim.generate(sim.WorkloadSpec(num_requests=1500, rate=80.0, seed=0,
+    reqs = sim.sample_requests(sim.WorkloadSpec(num_requests=1500, rate=80.0, seed=0,
                                          input={"kind": "lognormal", "mean": 4096, "cv": 1.0, "high": 32768},
                                          output={"kind": "lognormal", "mean": 256, "cv": 0.8, "high": 1024}))
     slo = sim.SLO(ttft=2.0, tpot=0.02)
@@ -159,7 +159,7 @@ def pd_af() -> Figure:
     fig = Figure(figsize=(11, 3.6))
     ax1, ax2, ax3 = fig.subplots(1, 3)
     for label, (dep, color) in deployments.items():
-        res = sim.simulate(dep, cost, reqs, slo=slo)
+        res = sim.simulate_serving(dep, cost, reqs, slo=slo)
         ttft, tpot = _latencies(res)
         q = np.linspace(0, 1, len(ttft))
         ax1.plot(np.sort(ttft), q, color=color, label=f"{label}: P90 {res.summary['ttft_p90']:.2g} s")

@@ -25,7 +25,7 @@ See docs/analysis.md for the formulas and the assumptions behind the reference f
 module (``pdjax.analysis.kv.kv_elements_per_token``, ``pdjax.analysis.units.GiB``, ...).
 """
 
-from pdjax.deprecation import package_getattr
+from pdjax.submodules import lazy_submodules
 from pdjax.analysis.afd_bounds import afd_min_microbatches, afd_speedup
 from pdjax.analysis.costmodel import Efficiency, RooflineCostModel
 from pdjax.analysis.deploy import Deployment, predict
@@ -47,38 +47,4 @@ __all__ = [
     "register_hardware", "report", "weight_intensity",
 ]
 
-# ---- names that left the face: importable from their module; these aliases go next release ----
-_MOVED = {
-    **dict.fromkeys(("afd_min_microbatches_int", "attention_share", "dbo_hides_ffn"), "afd_bounds"),
-    "bubble_table": "bubbles",
-    **dict.fromkeys(("OpCost", "expected_distinct_experts"), "costmodel"),
-    **dict.fromkeys(("CalibrationResult", "DecodeCalibrationResult"), "costmodel_calibrate"),
-    **dict.fromkeys(("DecodeCostFit", "PrefillCostFit", "fit_decode_cost", "fit_prefill_cost"), "costmodel_fit"),
-    **dict.fromkeys(("FIGURES", "PRESET_NAMES", "dtype_bytes", "hardware_names", "unregister_hardware"), "hardware"),
-    **dict.fromkeys(("ATTENTION_KINDS", "concurrency_bound_both_units", "kv_bytes_per_sequence",
-                     "kv_elements_per_token", "link_bw_for_handoff_ratio", "prefill_compute_time"), "kv"),
-    **dict.fromkeys(("expert_balance_batch", "moe_mfu_bound", "tokens_per_expert", "tokens_per_expert_at_balance"),
-                    "moe_bounds"),
-    **dict.fromkeys(("DEEPSEEK_V3_SERVING", "FASTAFD_EXAMPLE", "MEGASCALE_INFER_EXAMPLE", "QWEN3_GB200_COLOCATED"),
-                    "published"),
-    **dict.fromkeys(("Report", "describe", "quickstart_section"), "report"),
-    **dict.fromkeys(("attention_flops_per_token", "compute_bound_batch", "decode_utilisation_bound",
-                     "utilisation_bound"), "roofline"),
-    **dict.fromkeys(("GB", "GiB", "KiB", "MiB", "from_bytes", "to_bytes", "unit_bytes"), "units"),
-}
-
-
-# moved out of analysis; the timing functions are runtime (they call the model), found by name at
-# call time so that nothing here imports them
-_ELSEWHERE = {"ParamCounts": "pdjax.param_counts",
-              "microbatches_for_bubble": ("pdjax.schedules.formulas", "min_microbatches_1f1b"),
-              **dict.fromkeys(("calibrate", "calibrate_decode", "measure_decode", "measure_prefill"), "pdjax.timing")}
-_SUBMODULES = ("afd_bounds", "bubbles", "calibration", "costmodel", "costmodel_calibrate", "costmodel_fit", "deploy",
-               "kernels", "kv", "memory_fit", "moe_bounds", "opmodel", "overlap", "profile", "profile_plot",
-               "published", "roofline", "routing", "streams", "train_pair", "units", "validation_set")
-_RENAMED = {"afd": "afd_bounds", "moe": "moe_bounds"}   # module names that said less than they hold
-
-__getattr__ = package_getattr(__name__, {**{name: f"{__name__}.{module}" for name, module in _MOVED.items()},
-                                         **_ELSEWHERE,
-                                         **{name: (f"{__name__}.{module}", None) for name, module in _RENAMED.items()}},
-                              _SUBMODULES)
+__getattr__ = lazy_submodules(__name__)

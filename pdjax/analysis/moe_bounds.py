@@ -91,6 +91,23 @@ def ep_weight_bytes_per_gpu(cfg: ModelConfig, ep_size: int, dtype_bytes: float =
     return (counts.routed_experts / ep_size + (total - counts.routed_experts)) * dtype_bytes
 
 
+def smallest_fitting_ep(cfg: ModelConfig, memory_bytes: float, dtype_bytes: float = 1, layout: str = "even",
+                        reserved_bytes: float = 0.0) -> int:
+    """The smallest EP size at which a rank's weights (:func:`ep_weight_bytes_per_gpu`; a
+    dense model: total / EP) fit in ``memory_bytes`` with ``reserved_bytes`` kept free. EP
+    sizes tried: the divisors of the routed experts per layer (every rank the same number of
+    experts), a dense model's powers of two up to 1024. None fits: the largest tried."""
+    check_positive("memory_bytes", memory_bytes)
+    if cfg.n_routed_experts:
+        sizes = [d for d in range(1, cfg.n_routed_experts + 1) if cfg.n_routed_experts % d == 0]
+        held = lambda ep: ep_weight_bytes_per_gpu(cfg, ep, dtype_bytes, layout)   # noqa: E731
+    else:
+        sizes = [2 ** k for k in range(11)]
+        total = param_counts(cfg).total * check_positive("dtype_bytes", dtype_bytes)
+        held = lambda ep: total / ep                                                # noqa: E731
+    return next((ep for ep in sizes if held(ep) + reserved_bytes < memory_bytes), sizes[-1])
+
+
 def decode_batch_for_context(kv_token_capacity: float, context_len: float) -> float:
     """Sequences of ``context_len`` tokens that fit a KV capacity of ``kv_token_capacity``
     tokens: B = capacity / S, so B ∝ 1/S (Qwen3-235B on GB200, 808,704 tokens per rank:

@@ -37,14 +37,6 @@ class ServingDeployment:
         """Decode EP degree over prefill EP degree (DeepSeek: 144 / 32 = 4.5)."""
         return self.decode_ep / self.prefill_ep
 
-    @property
-    def prefill_gpus(self) -> int:
-        return self.prefill_nodes * self.gpus_per_node
-
-    @property
-    def decode_gpus(self) -> int:
-        return self.decode_nodes * self.gpus_per_node
-
 
 #: DeepSeek-V3/R1 production serving: EP32 prefill / EP144 decode on H800, fp8 weights, mean KV 4,989.
 DEEPSEEK_V3_SERVING = ServingDeployment(

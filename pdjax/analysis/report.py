@@ -97,7 +97,7 @@ def _check_sizes(cfg, *, context_len, handoff_context_len, ep_size, pipeline_sta
 
 def report(cfg: ModelConfig, hw: HardwareLike, *, context_len: int = 4096,
            handoff_context_len: int = 32768, compute_dtype: str = "bf16",
-           weight_dtype_bytes: float = 2, kv_dtype_bytes: float = 2, ep_size: int = 1,
+           weight_dtype_bytes: float = 2, kv_dtype_bytes: float = 2, ep_size: Optional[int] = None,
            ep_layout: str = "even", act_bytes: float = 0.0, link: str = "scale_out",
            num_kv_groups: Optional[int] = None, pipeline_stages: int = 16,
            microbatches: Sequence[int] = (16, 32, 64, 128, 256), bubble_target: float = 0.1,
@@ -108,13 +108,18 @@ def report(cfg: ModelConfig, hw: HardwareLike, *, context_len: int = 4096,
     ``context_len`` S for the concurrency bound; ``handoff_context_len`` for the P->D KV
     transfer; weights held as ``weight_dtype_bytes`` per param split over ``ep_size``
     ranks with ``ep_layout`` ("even" or "replicated", see ``ep_weight_bytes_per_gpu``; an
-    ``ep_size`` above a MoE model's routed experts per layer is refused);
+    ``ep_size`` above a MoE model's routed experts per layer is refused; None, the default:
+    the smallest EP at which the weights and ``act_bytes`` fit,
+    :func:`~pdjax.analysis.moe_bounds.smallest_fitting_ep`, and ``memory["ep_size_chosen"]``
+    says so);
     ``act_bytes`` reserved for activations; ``link`` the handoff link ("scale_out" or
     "scale_up"); ``num_kv_groups`` adds a GQA row. Figures the hardware lacks are None,
     except the ones every row needs (bf16 peak, HBM bytes and bandwidth): ValueError."""
     if not isinstance(cfg, ModelConfig):
         raise TypeError(f"report expects a ModelConfig, got {type(cfg).__name__}")
     hw = hardware(hw)
+    chosen = ep_size is None
+    ep_size = _ep_that_fits(cfg, hw, weight_dtype_bytes, ep_layout, act_bytes) if chosen else ep_size
     _check_sizes(cfg, context_len=context_len, handoff_context_len=handoff_context_len, ep_size=ep_size,
                  pipeline_stages=pipeline_stages, act_bytes=act_bytes, weight_dtype_bytes=weight_dtype_bytes,
                  kv_dtype_bytes=kv_dtype_bytes, bubble_target=bubble_target, microbatches=microbatches)
@@ -125,15 +130,9 @@ def report(cfg: ModelConfig, hw: HardwareLike, *, context_len: int = 4096,
     attention, mla_kv = _attention_section(cfg, kv_dtype_bytes, num_kv_groups)
     mha_kv = attention["mha_kv_per_token_B"]
     memory = _memory_section(cfg, counts, hbm, p_w, ep_size, ep_layout, act_bytes, context_len, mla_kv, mha_kv)
+    memory["ep_size_chosen"] = chosen
     handoff = _handoff_section(hw, counts, link, handoff_context_len, compute_dtype, mla_kv, mha_kv)
-    moe_sheet = {}
-    if cfg.n_routed_experts:
-        moe_sheet = {
-            "mfu_bound_k_over_E": moe_bounds.moe_mfu_bound(cfg),
-            "tokens_per_expert_at_balance": moe_bounds.tokens_per_expert_at_balance(cfg, hw, compute_dtype, p_w),
-            "expert_balance_batch": moe_bounds.expert_balance_batch(cfg, hw, compute_dtype, p_w),
-        }
-
+    moe_sheet = _moe_section(cfg, hw, compute_dtype, p_w)
     table = bubbles.bubble_table(pipeline_stages, microbatches)
     pipeline = {"stages": pipeline_stages,
                 "bubble_1f1b": {m: round(r, 4) for m, r in table.items()},
@@ -188,6 +187,22 @@ def _attention_section(cfg: ModelConfig, kv_dtype_bytes: float,
     attention["mha_over_mla_kv_ratio"] = mha_kv / mla_kv
     attention["kv_dtype_bytes"] = kv_dtype_bytes
     return attention, mla_kv
+
+
+def _ep_that_fits(cfg: ModelConfig, hw, weight_dtype_bytes: float, ep_layout: str, act_bytes: float) -> int:
+    """report's default EP size: the smallest at which the weights and ``act_bytes`` fit."""
+    check_nonnegative("act_bytes", act_bytes)
+    return moe_bounds.smallest_fitting_ep(cfg, hw.require("hbm_bytes", "the memory sheet"),
+                                          check_positive("weight_dtype_bytes", weight_dtype_bytes), ep_layout, act_bytes)
+
+
+def _moe_section(cfg: ModelConfig, hw, compute_dtype: str, p_w: float) -> dict:
+    """The [moe] section (empty for a dense model)."""
+    if not cfg.n_routed_experts:
+        return {}
+    return {"mfu_bound_k_over_E": moe_bounds.moe_mfu_bound(cfg),
+            "tokens_per_expert_at_balance": moe_bounds.tokens_per_expert_at_balance(cfg, hw, compute_dtype, p_w),
+            "expert_balance_batch": moe_bounds.expert_balance_batch(cfg, hw, compute_dtype, p_w)}
 
 
 def _memory_section(cfg: ModelConfig, counts, hbm: float, p_w: float, ep_size: int, ep_layout: str,

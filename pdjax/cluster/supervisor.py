@@ -31,6 +31,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import threading
 import time
 from typing import Callable, Optional, Sequence
@@ -74,11 +75,16 @@ PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")     # what device_environ's pl
 def device_environ(device_count: int, extra: dict | None = None, platform: str = "cpu") -> dict:
     """The environment of a child jax process: this one's, on ``platform`` (one of
     :data:`PLATFORMS`; on "cpu" with ``device_count`` simulated devices; other platforms: set
-    the visible devices in ``extra``, e.g. ``CUDA_VISIBLE_DEVICES``), unbuffered output, the
-    pdjax this process runs importable (a checkout that is not installed), then ``extra``."""
+    the visible devices in ``extra``, e.g. ``CUDA_VISIBLE_DEVICES``), this process's jax
+    settings (:func:`jax_settings_environ`, once jax is imported here; before that they are
+    only in the environment, which the child inherits), unbuffered output, the pdjax this
+    process runs importable (a checkout that is not installed), then ``extra``. Every
+    process pdjax starts gets its environment from here."""
     if platform not in PLATFORMS:
         raise ValueError(f"platform must be one of {', '.join(PLATFORMS)}, got {platform!r}")
     env = dict(os.environ)
+    if "jax" in sys.modules:
+        env.update(jax_settings_environ())
     if platform == "cpu":
         flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
         env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={device_count}"])

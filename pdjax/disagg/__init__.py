@@ -1,8 +1,7 @@
 """Prefill/decode disaggregation on real meshes: PDEngine, ColocatedEngine, AFDEngine
 (attention-FFN disaggregated decode), the paged decode pool, the layer-wise latent-KV
-handoff, and serving across processes (launch_pd: one prefill and several decode processes
-behind one router; launch_two_process: one of each; launch_ffn: AFD's FFN side as its own
-process, AFDEngine(ffn_address=...) its attention side), all driving one decode scheduler
+handoff, and serving across processes (launch_pd: one prefill and one or more decode
+processes behind one router; launch_ffn: AFD's FFN side as its own process, AFDEngine(ffn_address=...) its attention side), all driving one decode scheduler
 (DecodeScheduler, a state machine of typed events and actions) over a pluggable KV link
 (DevicePutLink in one process, TransferLink across processes).
 
@@ -10,14 +9,13 @@ The serving runtime (jax, tensorstore); the pure prefix index it shares with the
 simulator is :mod:`pdjax.prefix_index`."""
 
 from pdjax.disagg.afd import AFDEngine
-from pdjax.disagg.afd_remote import FFNProcess, launch_ffn
+from pdjax.disagg.afd_remote import launch_ffn
 from pdjax.disagg.engine import ColocatedEngine, PDEngine
-from pdjax.disagg.launcher import PDCluster, TwoProcessServer, launch_pd, launch_two_process
+from pdjax.disagg.launcher import PDCluster, launch_pd
 from pdjax.disagg.link import Chunk, DevicePutLink
 from pdjax.disagg.request import Request, RequestError, SamplingParams
 from pdjax.disagg.scheduler import DecodeScheduler
 from pdjax.disagg.link import TransferLink
 
-__all__ = ["AFDEngine", "Chunk", "ColocatedEngine", "DecodeScheduler", "DevicePutLink", "FFNProcess", "PDCluster",
-           "PDEngine", "Request", "RequestError", "SamplingParams", "TransferLink", "TwoProcessServer", "launch_ffn",
-           "launch_pd", "launch_two_process"]
+__all__ = ["AFDEngine", "Chunk", "ColocatedEngine", "DecodeScheduler", "DevicePutLink", "PDCluster", "PDEngine",
+           "Request", "RequestError", "SamplingParams", "TransferLink", "launch_ffn", "launch_pd"]

@@ -10,7 +10,7 @@ result comes back (F2A), while the next micro-batch's attention runs.
 
 Prefill is colocated on the attention devices (a :class:`~pdjax.disagg.prefill.PrefillPool`
 on their mesh, expert-parallel over them when the experts divide, else replicated): AFD is a
-decode-side technique, and the engine is :class:`~pdjax.disagg.engine.PDEngine`'s machinery
+decode-side technique, and the engine is :class:`~pdjax.disagg.engine.Engine`'s machinery
 with its decode pool replaced, as :class:`~pdjax.disagg.engine.ColocatedEngine` shares the
 decode devices with the prefill (prefill chunks and decode steps take turns; the prefilled
 latents are written straight into the attention ranks' paged cache).
@@ -33,7 +33,7 @@ import math
 from pdjax.arguments import check_int
 from pdjax.config import ModelConfig
 from pdjax.disagg.afd_pool import AFDPool
-from pdjax.disagg.engine import PDEngine
+from pdjax.disagg.engine import Engine
 
 MAX_MICROBATCHES = 4
 
@@ -67,7 +67,7 @@ def check_afd_options(cfg: ModelConfig, attention_devices, ffn_devices, microbat
     return slots
 
 
-class AFDEngine(PDEngine):
+class AFDEngine(Engine):
     """Attention-FFN disaggregated serving; see the module docstring. ``attention_devices``
     (M) and ``ffn_devices`` (N): disjoint device lists, the routed experts dividing over N;
     or, instead of ``ffn_devices``, ``ffn_address``: the control address of an FFN process
@@ -78,7 +78,7 @@ class AFDEngine(PDEngine):
     (default that product); ``prefill_mesh``: the attention devices' mesh (default
     {"expert": M} when the experts divide over M, else {"data": M}); ``ffn_retries``: reruns
     of a micro-batch whose FFN call failed before its requests fail. Other options as
-    :class:`~pdjax.disagg.engine.PDEngine`. ``generate`` returns one token list per prompt (a
+    :class:`~pdjax.disagg.engine.Engine`. ``generate`` returns one token list per prompt (a
     :class:`~pdjax.disagg.request.RequestError` in place of a failed request)."""
 
     def __init__(self, params, cfg: ModelConfig, *, attention_devices, ffn_devices=None, ffn_address: str | None = None,
@@ -111,7 +111,7 @@ class AFDEngine(PDEngine):
         return AFDPool(params, cfg, devices, mesh_axes, **self._afd, **options)
 
     def generate(self, prompts, max_new_tokens=16, **kwargs):
-        """As :meth:`PDEngine.generate`; ``stats["afd"]`` then holds the exchange's bytes and,
+        """As :meth:`Engine.generate`; ``stats["afd"]`` then holds the exchange's bytes and,
         with ``self.timeline`` set, the measured stages."""
         self.decode.begin(self.timeline)
         out = super().generate(prompts, max_new_tokens, **kwargs)

@@ -195,13 +195,22 @@ class FFNServer:
             return {"op": "error", "id": msg.get("id"), "error": f"{type(e).__name__}: {e}"}
 
 
-class FFNProcess:
-    """An FFN process (``pdjax serve --role ffn``) with ``devices`` CPU devices, its routed
-    experts those of ``init_params(preset, key(seed))``, started on a
-    :class:`~pdjax.cluster.supervisor.Supervisor` (``launch_ffn``). ``address``: its control
-    address (``AFDEngine(..., ffn_address=...)``); ``pid``, ``kill()`` (SIGKILL),
-    ``log_tail()``, ``close()`` (also as a context manager). ``env``: extra environment;
-    ``stream``: where its output goes, prefixed ``[ffn]``."""
+def launch_ffn(preset: str = "tiny", seed: int = 0, *, devices: int = 4, host: str = LOOPBACK,
+               pull_timeout_s: float = 60.0, env: dict | None = None, startup_timeout: float = 120.0,
+               stream=None, serve_command=None) -> "_FFNProcess":
+    """Start an FFN process (``pdjax serve --role ffn``) with ``devices`` CPU devices, its
+    routed experts those of ``init_params(preset, key(seed))``, on a
+    :class:`~pdjax.cluster.supervisor.Supervisor`, and return its handle once it is ready:
+    ``address``, its control address (``AFDEngine(..., ffn_address=...)``); ``pid``,
+    ``kill()`` (SIGKILL), ``log_tail()``, ``close()`` (also as a context manager). ``env``:
+    extra environment; ``stream``: where its output goes, prefixed ``[ffn]``;
+    ``serve_command``: the command that starts the role (default ``python -m pdjax serve``)."""
+    return _FFNProcess(preset, seed, devices=devices, host=host, pull_timeout_s=pull_timeout_s, env=env,
+                       startup_timeout=startup_timeout, stream=stream, serve_command=serve_command)
+
+
+class _FFNProcess:
+    """The handle :func:`launch_ffn` returns."""
 
     def __init__(self, preset: str = "tiny", seed: int = 0, *, devices: int = 4, host: str = LOOPBACK,
                  pull_timeout_s: float = 60.0, env: dict | None = None, startup_timeout: float = 120.0,
@@ -242,5 +251,3 @@ class FFNProcess:
     def __exit__(self, *exc):
         self.close()
 
-
-launch_ffn = FFNProcess

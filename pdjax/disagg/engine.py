@@ -88,14 +88,16 @@ def _check_call(cfg: ModelConfig, stop_tokens, retention, store) -> None:
         raise ValueError(f"retention class {retention!r} is unknown; known: {sorted(store.retention)}")
 
 
-class PDEngine:
-    """Prefill/decode disaggregation. See the module docstring; ``generate`` returns one token
-    list per prompt, in request order (a :class:`RequestError` in place of a bad request)."""
+class Engine:
+    """What :class:`PDEngine`, :class:`ColocatedEngine` and :class:`pdjax.disagg.AFDEngine`
+    share: the pools, the scheduler's driver and ``generate``, which returns one token list
+    per prompt, in request order (a :class:`RequestError` in place of a bad request). Build
+    one of those three; ``colocated`` says whether both pools share the devices."""
 
-    def __init__(self, params, cfg: ModelConfig, *, prefill_devices, decode_devices,
+    def __init__(self, params, cfg: ModelConfig, *, prefill_devices, decode_devices, colocated: bool,
                  prefill_mesh=None, decode_mesh=None, block_size: int = 16, max_decode_slots: int = 8,
                  max_context: int | None = None, num_blocks: int | None = None, prefix_cache: bool = False,
-                 max_prefill_attempts: int = 3, colocated: bool = False, prefill_workers: int = 1,
+                 max_prefill_attempts: int = 3, prefill_workers: int = 1,
                  prefill_cost=None, prefill_budget_s: float | None = None,
                  prefill_chunk_tokens: int | None = None, handoff_timeout_s: float | None = None,
                  link_bandwidth_Bps: float | None = None):
@@ -275,14 +277,32 @@ class PDEngine:
                       "failed": sum(r.error is not None for r in reqs)}
 
 
-class ColocatedEngine(PDEngine):
+class PDEngine(Engine):
+    """Prefill/decode disaggregation: a prefill pool and a decode pool on disjoint devices,
+    layers handed over the KV link. See the module docstring and :class:`Engine`; every
+    keyword of :class:`Engine` but ``colocated`` (that is :class:`ColocatedEngine`)."""
+
+    def __init__(self, params, cfg: ModelConfig, *, prefill_devices, decode_devices, **kwargs):
+        _no_colocated_option("PDEngine", kwargs)
+        super().__init__(params, cfg, prefill_devices=prefill_devices, decode_devices=decode_devices,
+                         colocated=False, **kwargs)
+
+
+class ColocatedEngine(Engine):
     """Prefill and decode on the same devices and mesh: the same scheduler, no KV link."""
 
     def __init__(self, params, cfg: ModelConfig, *, devices=None, mesh=None, **kwargs):
+        _no_colocated_option("ColocatedEngine", kwargs)
         devices = list(devices if devices is not None else jax.devices())
         mesh = mesh or {"expert": len(devices)}
         super().__init__(params, cfg, prefill_devices=devices, decode_devices=devices, prefill_mesh=mesh,
                          decode_mesh=mesh, colocated=True, **kwargs)
+
+
+def _no_colocated_option(name: str, kwargs: dict) -> None:
+    if "colocated" in kwargs:
+        raise TypeError(f"{name} takes no colocated option: the engine's class says it (PDEngine: "
+                        "disjoint pools; ColocatedEngine(params, cfg, devices=...): one pool)")
 
 
 class _Run:
@@ -293,7 +313,7 @@ class _Run:
     attempt cancelled while its thread runs it (a send that stalls, or never returns) gets
     the worker a fresh thread for the next jobs; the old one ends when its call returns."""
 
-    def __init__(self, eng: PDEngine, sched: DecodeScheduler, clock, on_token):
+    def __init__(self, eng: Engine, sched: DecodeScheduler, clock, on_token):
         self.eng, self.sched, self.clock, self.on_token = eng, sched, clock, on_token
         self.jobs = [queue.Queue() for _ in eng.prefills]
         self.workers = [PrefillWorker(pool, eng.link, clock, store=eng.store, chunk=eng._chunker(pool),

@@ -1,8 +1,8 @@
 """The client and launcher of PD serving across processes (:mod:`pdjax.disagg.serve`): one
 prefill process and one or more decode processes behind one router.
 
-:class:`PDCluster` (``launch_pd``; ``TwoProcessServer`` / ``launch_two_process`` are its
-one-decode case) starts the roles as subprocesses (``python -m pdjax serve --role ...``) on
+:class:`PDCluster` (``launch_pd``; one decode instance by default) starts the roles as
+subprocesses (``python -m pdjax serve --role ...``) on
 one :class:`~pdjax.cluster.supervisor.Supervisor`, each reporting its control and transfer
 addresses on a ready line. The client connects to every decode instance and sends each
 request to one of them (:mod:`pdjax.disagg.router`: least loaded by default); every decode
@@ -58,11 +58,12 @@ class PDCluster:
 
     Process names: ``"prefill"``, ``"decode0"``, ``"decode1"``, ... (``"decode"`` =
     ``"decode0"``): ``pid(name)``, ``kill(name)`` (SIGKILL; the cluster recovers as from a
-    crash), ``log_tail(name)``. ``stats`` after ``generate``: per request (index, instance
+    crash), ``log_tail(name)``. ``stats`` of the last ``generate`` (every count is that call's,
+    as in the engines): per request (index, instance
     that finished it, ttft seconds as seen by the client, kv_bytes_received, prefill_attempts,
     handoff_timeouts, prefix_hit_tokens, prefix_errors, reissued), totals
     ``kv_bytes_received``, ``served`` (requests finished per instance), ``decode_restarts``,
-    ``prefill_restarts``, ``link`` (the decode instances' counters since they started,
+    ``prefill_restarts``, ``link`` (the decode instances' counters in this call,
     summed: bytes, pulls, seconds in pulls, link_throughput_Bps, handoff_timeouts,
     stale_messages, corrupt_payloads, malformed_payloads) and ``instances`` (each one's
     counters, with what its pool holds once the batch is done: ``free_blocks`` per rank,
@@ -94,6 +95,7 @@ class PDCluster:
         self._gen = [0] * num_decode
         self._events: queue.Queue = queue.Queue()
         self.decode_restarts = self.prefill_restarts = 0
+        self._seen: dict = {}                 # instance -> (generation, its counters at the last call's end)
         self.stats: dict = {}
         try:
             for name in self.names:                       # every role starts (imports, params, pools) at once
@@ -237,6 +239,7 @@ class PDCluster:
         t0 = time.perf_counter()
         reqs = self._requests(prompts, max_new_tokens, sampling, stop_tokens, handoff_timeout_s,
                               use_prefix_cache, retention)
+        before = (list(self.router.served), self.decode_restarts, self.prefill_restarts)
         self.router.submit(reqs)
         self._send(self.router.assign())
         deaths = {"decode": 0, "prefill": 0}
@@ -253,7 +256,7 @@ class PDCluster:
             elif (r := self.router.get(msg.get("request"))) is not None:
                 self._on_result(r, msg, on_token, t0)
         self.router.forget(reqs)
-        self._record_stats(reqs, time.perf_counter() - t0)
+        self._record_stats(reqs, time.perf_counter() - t0, before)
         return [RequestError(r.done["error"]) if "error" in r.done else list(r.done["tokens"]) for r in reqs]
 
     def _requests(self, prompts, max_new_tokens, sampling, stop_tokens, handoff_timeout_s, use_prefix_cache,
@@ -299,7 +302,9 @@ class PDCluster:
         elif msg["op"] == "done":
             self.router.finish(r, msg)
 
-    def _record_stats(self, reqs: list[Tracked], elapsed: float) -> None:
+    def _record_stats(self, reqs: list[Tracked], elapsed: float, before: tuple) -> None:
+        """``self.stats`` of this call: every count is this call's (the decode processes'
+        counters minus what they had at the last call's end, unless restarted since)."""
         asked = set(self._broadcast({"op": "stats"}))
         counters: dict = {}
         deadline = time.monotonic() + 30
@@ -313,7 +318,7 @@ class PDCluster:
             if self._recover_between_calls(k, msg):   # a death after the last result: recovered, not lost
                 continue
             if msg["op"] == "stats":
-                counters[k] = {key: v for key, v in msg.items() if key != "op"}
+                counters[k] = self._this_call(k, {key: v for key, v in msg.items() if key != "op"})
         per = []
         for r in reqs:
             d = r.done
@@ -323,10 +328,23 @@ class PDCluster:
                         "prefix_hit_tokens": d.get("prefix_hit_tokens", 0),
                         "prefix_errors": list(d.get("prefix_errors", [])), "reissued": r.reissued})
         self.stats = {"requests": per, "kv_bytes_received": sum(d["kv_bytes_received"] for d in per),
-                      "elapsed_s": elapsed, "served": list(self.router.served),
-                      "decode_restarts": self.decode_restarts, "prefill_restarts": self.prefill_restarts,
+                      "elapsed_s": elapsed, "served": [b - a for a, b in zip(before[0], self.router.served)],
+                      "decode_restarts": self.decode_restarts - before[1],
+                      "prefill_restarts": self.prefill_restarts - before[2],
                       "link": _summed([counters[k] for k in sorted(counters)]),
                       "instances": [counters.get(k) for k in range(self.num_decode)]}
+
+    def _this_call(self, k: int, now: dict) -> dict:
+        """Decode instance ``k``'s counters less those it had at the last call's end (the same
+        process); what its pool holds (:data:`HELD`) as it is now."""
+        gen, last = self._seen.get(k, (None, {}))
+        self._seen[k] = (self._gen[k], now)
+        if gen != self._gen[k]:
+            last = {}
+        out = {key: (v - last.get(key, 0) if key not in HELD and _is_count(v) else v) for key, v in now.items()}
+        if "pull_seconds" in out:
+            out["link_throughput_Bps"] = out["kv_bytes_received"] / out["pull_seconds"] if out["pull_seconds"] else 0.0
+        return out
 
     def close(self) -> None:
         """SIGKILL every process (and wait for it)."""
@@ -342,30 +360,26 @@ class PDCluster:
         self.close()
 
 
+HELD = ("free_blocks", "reservations", "running", "attempts", "link_throughput_Bps")   # states, not counts
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _summed(counters: list[dict]) -> dict:
     """Numeric counters of several decode instances added up (throughput: bytes / seconds)."""
     out: dict = {}
     for c in counters:
         for key, v in c.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
+            if _is_count(v):
                 out[key] = out.get(key, 0) + v
     if "pull_seconds" in out:
         out["link_throughput_Bps"] = out["kv_bytes_received"] / out["pull_seconds"] if out["pull_seconds"] else 0.0
     return out
 
 
-class TwoProcessServer(PDCluster):
-    """:class:`PDCluster` with one decode instance: a prefill and a decode process."""
-
-    def __init__(self, preset: str = "tiny", seed: int = 0, **kwargs):
-        super().__init__(preset, seed, num_decode=1, **kwargs)
-
-
-def launch_pd(preset: str = "tiny", seed: int = 0, *, num_decode: int = 2, **kwargs) -> PDCluster:
-    """Start one prefill and ``num_decode`` decode processes; see :class:`PDCluster`."""
+def launch_pd(preset: str = "tiny", seed: int = 0, *, num_decode: int = 1, **kwargs) -> PDCluster:
+    """Start one prefill and ``num_decode`` decode processes (default one, as
+    :class:`PDCluster`); see :class:`PDCluster`."""
     return PDCluster(preset, seed, num_decode=num_decode, **kwargs)
-
-
-def launch_two_process(preset: str = "tiny", seed: int = 0, **kwargs) -> TwoProcessServer:
-    """Start the prefill and decode processes; see :class:`PDCluster`."""
-    return TwoProcessServer(preset, seed, **kwargs)

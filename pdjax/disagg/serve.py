@@ -5,8 +5,8 @@ Each role is a process on its own devices with the same params ``(preset, seed)`
 KV moves layer by layer with ``jax.experimental.transfer``. The roles:
 :class:`~pdjax.disagg.prefill_server.PrefillServer` and
 :class:`~pdjax.disagg.decode_server.DecodeServer`; the client and launcher that start them
-(one prefill and one or more decode processes), ``PDCluster`` / ``launch_pd`` /
-``launch_two_process``: :mod:`pdjax.disagg.launcher`.
+(one prefill and one or more decode processes), ``PDCluster`` / ``launch_pd``:
+:mod:`pdjax.disagg.launcher`.
 
 Every option is checked (type, range, finiteness, the mesh's axis names, an option of another
 role) before the params are built: a bad one is a one-line error naming the option and its

@@ -4,6 +4,6 @@ report.md, or a ``FAILED`` marker); see ``runner``, ``schema``, ``results`` and 
 
 from pdjax.experiments.results import Result
 from pdjax.experiments.rundir import RunFailed
-from pdjax.experiments.runner import EXPERIMENTS, load_config, report, run
+from pdjax.experiments.runner import EXPERIMENTS, load_config, rebuild_report, run
 
-__all__ = ["EXPERIMENTS", "Result", "RunFailed", "load_config", "report", "run"]
+__all__ = ["EXPERIMENTS", "Result", "RunFailed", "load_config", "rebuild_report", "run"]

@@ -17,21 +17,18 @@ Config (``pdjax run bubble_sweep``; configs/bubble_sweep.toml)::
 ``scale`` multiplies every ``num_stages`` (m follows as multiplier x P). :func:`run` gives the
 :class:`Result` (one row per schedule x P x m in ``bubble_sweep.csv``, the plot
 ``bubble_sweep``); :func:`grid`, :func:`sweep_row`, :func:`summarize` and :func:`figure` are
-its parts. :func:`run_bubble_sweep` is the entry point from before the runner, kept for one
-release (``pdjax.pipeline.run_bubble_sweep``).
+its parts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import re
-from pathlib import Path
 from typing import Optional
 
 from pdjax.experiments import progress
-from pdjax.experiments.results import Result, write_csv
-from pdjax.experiments.schema import Header, knob, parse, table
+from pdjax.experiments.results import Result
+from pdjax.experiments.schema import Header, knob, table
 from pdjax.schedules.comparison import ReportRow, compare_one
 from pdjax.schedules.formulas import formula_conditions
 from pdjax.schedules.generators import GENERATORS
@@ -183,37 +180,3 @@ def run(c: Config, out_dir: str) -> Result:
     return Result("Pipeline bubble sweep", headline, metrics=summary,
                   tables={"bubble_sweep": [r.as_dict() for r in rows]},
                   figures={"bubble_sweep": figure(rows, c)}, body=body)
-
-
-# ---- the entry point from before the runner (pdjax.pipeline.run_bubble_sweep), one release ----
-# Its error messages, reworded by the schema since, keep their old phrase in front.
-_OLD_WORDING = (
-    (r"(sweep|costs)\.(\w+): unknown key", r"unknown \1 keys ['\2']"),
-    (r"sweep\.schedules: must be one of", "sweep.schedules: unknown schedule name"),
-    (r"sweep\.(num_stages|microbatch_multipliers)(\[\d+\])?: (must be >= 1|expected int)",
-     r"sweep.\1 must hold positive ints"),
-)
-
-
-def run_bubble_sweep(config_dict: dict, out_dir) -> dict:
-    """Run the sweep of ``config_dict`` (its ``[sweep]`` and ``[costs]`` tables, as in
-    configs/bubble_sweep.toml); write ``bubble_sweep.csv`` and ``bubble_sweep.png`` to
-    ``out_dir``. Returns :func:`summarize` of the rows plus the output paths (``csv``,
-    ``plot``). Deprecated: ``pdjax run bubble_sweep`` writes a full run directory."""
-    try:
-        c = parse(Config, {"kind": "bubble_sweep", **config_dict} if isinstance(config_dict, dict) else config_dict)
-    except ValueError as e:
-        msg = str(e)
-        for pattern, old in _OLD_WORDING:
-            m = re.match(pattern, msg)
-            if m:
-                msg = f"{m.expand(old)}: {msg}"
-                break
-        raise ValueError(msg) from None
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    rows = [sweep_row(c, point) for point in grid(c)]
-    csv_path, plot_path = out / "bubble_sweep.csv", out / "bubble_sweep.png"
-    write_csv([r.as_dict() for r in rows], str(csv_path))
-    figure(rows, c).savefig(plot_path, dpi=120)
-    return {**summarize(rows, c), "csv": str(csv_path), "plot": str(plot_path)}

@@ -92,10 +92,10 @@ def _list(directory) -> int:
 
 
 def _report(run_dir: str) -> int:
-    from pdjax.experiments.runner import report
+    from pdjax.experiments.runner import rebuild_report
     from pdjax.experiments.rundir import RunFailed
     try:
-        path = report(run_dir)
+        path = rebuild_report(run_dir)
     except FileNotFoundError as e:
         print(f"pdjax: {e}", file=sys.stderr)
         return 2

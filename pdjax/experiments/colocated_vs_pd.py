@@ -11,7 +11,7 @@ from pdjax.experiments import progress, serving
 from pdjax.experiments.results import Result
 from pdjax.experiments.schema import knob, table
 from pdjax.sim.deployment import Colocated, PDDisaggregated
-from pdjax.sim.simulator import simulate
+from pdjax.sim.simulator import simulate_serving
 from pdjax.sim.sweeps import _pick, rate_runner, workload_at_rate
 
 
@@ -66,7 +66,7 @@ def run(c: Config, out_dir: str) -> Result:
     for rate in progress.track(c.sweep.rates, "colocated_vs_pd: rates"):
         reqs = workload_at_rate(c.workload, rate, c.search.duration)
         for label, dep in deployments.items():
-            s = simulate(dep, cost, reqs, slo=slo).summary
+            s = simulate_serving(dep, cost, reqs, slo=slo).summary
             rows.append({"rate": rate, "deployment": label, **_pick(s)})
     with progress.counter("colocated_vs_pd: highest-rate search (simulations)") as advance:
         best = {label: serving.search_rate(rate_runner(c.workload, dep, cost, slo, c.search.duration), c, target,

@@ -11,7 +11,7 @@ from pdjax.experiments import progress, serving
 from pdjax.experiments.results import Result
 from pdjax.experiments.schema import knob, table
 from pdjax.sim.deployment import PDDisaggregated
-from pdjax.sim.simulator import simulate
+from pdjax.sim.simulator import simulate_serving
 from pdjax.sim.prefix_cache import PrefixCache
 from pdjax.sim.sweeps import workload_at_rate
 
@@ -59,7 +59,7 @@ def run(c: Config, out_dir: str) -> Result:
     rows = []
     for cap_tokens in progress.track(sw.capacity_tokens, "prefix_cache_capacity: capacities"):
         cache = PrefixCache(cap_tokens // bs, bs, retention=sw.retention)
-        s = simulate(PDDisaggregated(p, n - p, **serving.pd_kwargs(c, link)), cost, reqs, slo=slo,
+        s = simulate_serving(PDDisaggregated(p, n - p, **serving.pd_kwargs(c, link)), cost, reqs, slo=slo,
                      prefix_cache=cache).summary
         rows.append({"capacity_tokens": cap_tokens, "prefix_hit_rate": s["prefix_hit_rate"],
                      "block_hit_rate": cache.hit_rate(), "ttft_p50": s["ttft_p50"],

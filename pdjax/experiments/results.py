@@ -82,7 +82,7 @@ def write(result: Result, run_dir: str, dpi: int = 120) -> str:
         json.dump(saved, f, indent=2, default=_jsonable)
         f.write("\n")
     os.replace(tmp, os.path.join(run_dir, METRICS_FILE))
-    return rebuild_report(run_dir)
+    return write_report(run_dir)
 
 
 def write_csv(rows: list[dict], path: str) -> None:
@@ -98,7 +98,7 @@ def write_csv(rows: list[dict], path: str) -> None:
             w.writerow({k: _cell(v) for k, v in r.items()})
 
 
-def rebuild_report(run_dir: str) -> str:
+def write_report(run_dir: str) -> str:
     """Write ``report.md`` of ``run_dir`` from its saved files; returns its path."""
     path = os.path.join(run_dir, REPORT_FILE)
     text = render_report(run_dir)

@@ -182,14 +182,14 @@ def run(source: str, runs_dir: str = "runs", overrides=None, show_progress: bool
     return run_dir, result
 
 
-def report(run_dir: str) -> str:
+def rebuild_report(run_dir: str) -> str:
     """Rebuild ``report.md`` of a run directory from its saved files (nothing is recomputed);
     returns its path. A directory marked ``FAILED`` (or still ``RUNNING``) raises
     :class:`rundir.RunFailed` saying so."""
     if not os.path.isdir(run_dir):
         raise FileNotFoundError(f"no run directory {run_dir}")
     rundir.check_complete(run_dir)
-    return results.rebuild_report(run_dir)
+    return results.write_report(run_dir)
 
 
 def list_experiments(directory: str | None = None) -> list[tuple[str, str, str]]:

@@ -58,14 +58,14 @@ def make_trace(num_requests: int, rate: float, seed: int = 0, prompt_lens: Seque
                output_lens: tuple[int, int] = OUTPUT_LENS) -> list:
     """A Poisson trace of ``num_requests`` at ``rate`` req/s: prompt lengths drawn uniformly
     from ``prompt_lens`` (a finite set, so every shape the engine compiles can be warmed up),
-    output lengths uniform in ``output_lens`` (inclusive). Returns :class:`pdjax.sim.Request`
+    output lengths uniform in ``output_lens`` (inclusive). Returns :class:`pdjax.sim.SimRequest`
     rows sorted by arrival, the first at t = 0."""
-    reqs = sim.generate(sim.WorkloadSpec(num_requests=num_requests, rate=rate, seed=seed,
+    reqs = sim.sample_requests(sim.WorkloadSpec(num_requests=num_requests, rate=rate, seed=seed,
                                          input={"kind": "list", "values": tuple(prompt_lens)},
                                          output={"kind": "uniform", "low": output_lens[0],
                                                  "high": output_lens[1]}))
     t0 = reqs[0].arrival
-    return [sim.Request(r.rid, r.arrival - t0, r.input_len, r.output_len) for r in reqs]
+    return [sim.SimRequest(r.rid, r.arrival - t0, r.input_len, r.output_len) for r in reqs]
 
 
 def prompts_for(lengths: Sequence[int], vocab_size: int, seed: int) -> list[list[int]]:
@@ -151,7 +151,7 @@ class DecodeCalibration:
     @property
     def jitter(self) -> list[float]:
         """Measured over fitted seconds of each plain iteration (nobody joined or left): the
-        spread of the platform's decode steps, for ``pdjax.sim.simulate(decode_jitter=...)``."""
+        spread of the platform's decode steps, for ``pdjax.sim.simulate_serving(decode_jitter=...)``."""
         return [sec / float(self.fit(b, k)) for b, k, jn, lv, sec in self.iterations if not jn and not lv]
 
 
@@ -388,7 +388,7 @@ def compare_engine(kind: str, params, cfg, trace: Sequence, *, setup: EngineSetu
     dep = engine_deployment(engine, None if engine.colocated else (1.0, served.decode_factor))
     runs = {"model": (dep, model, dec.jitter), "no_jitter": (dep, model, None),
             "isolated": (engine_deployment(engine), isolated, None)}
-    sims = {name: sim.simulate(d, cost, trace, decode_jitter=jit, jitter_seed=seed) for name, (d, cost, jit) in runs.items()}
+    sims = {name: sim.simulate_serving(d, cost, trace, decode_jitter=jit, jitter_seed=seed) for name, (d, cost, jit) in runs.items()}
     rows = percentile_rows(kind, measured_latencies(stats), {k: r.summary for k, r in sims.items()})
     return Comparison(rows, sims, {name: cost for name, (_, cost, _) in runs.items()}, dec, served, stats)
 

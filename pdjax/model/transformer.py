@@ -366,7 +366,8 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int, max_len:
     """Greedy generation.
 
     ``prompts``: an int array [B,T] (returns an array [B, T+max_new_tokens]) or a list of
-    token lists of any lengths (returns a list of lists, each prompt + new tokens).
+    token lists of any lengths (returns a list of the new token lists, one per prompt, as every
+    serving engine's ``generate`` does).
     """
     check_count("max_new_tokens", max_new_tokens)
     if max_len is not None:
@@ -388,5 +389,5 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int, max_len:
         _finish(None, stats, moe_impl, False, "generate")
         new = np.concatenate([new, np.asarray(rest)], axis=1)
     if ragged:
-        return [list(map(int, p)) + new[i].tolist() for i, p in enumerate(prompts)]
+        return [new[i].tolist() for i in range(len(prompts))]
     return np.concatenate([tokens.astype(np.int32), new], axis=1)

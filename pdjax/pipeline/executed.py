@@ -166,7 +166,6 @@ def measure_in_cluster(schedule, cfg, params, tokens, *, repeats: int, op_repeat
     import jax
 
     from pdjax.cluster import launch
-    from pdjax.cluster.supervisor import jax_settings_environ
     from pdjax.pipeline.processes import available_cores
 
     n = schedule.num_ranks
@@ -180,7 +179,7 @@ def measure_in_cluster(schedule, cfg, params, tokens, *, repeats: int, op_repeat
                              tokens=np.asarray(tokens), repeats=repeats, op_repeats=op_repeats,
                              layers_per_stage=layers_per_stage, cores=[int(c) for c in cores]), f)
         launch([sys.executable, "-m", "pdjax.pipeline.executed_cluster", spec, out], n, 1, timeout_s=timeout_s,
-               env=jax_settings_environ(), stream=stream)
+               stream=stream)
         with open(out, "rb") as f:
             return pickle.load(f)
 

@@ -8,8 +8,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from pdjax.config import ModelConfig
+from pdjax.schedules.schedule import Schedule
 
 LOSSES = ("next_token",)
+
+
+def check_schedule_and_config(schedule, cfg) -> None:
+    """The schedule first, then the model config (``Executor(schedule, cfg, ...)``,
+    ``train(schedule, cfg, ...)``): a TypeError naming the order when they are swapped."""
+    if isinstance(schedule, ModelConfig) and isinstance(cfg, Schedule):
+        raise TypeError("the schedule comes first, then the model config: (schedule, cfg, ...), "
+                        "got (ModelConfig, Schedule)")
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"schedule must be a pdjax.schedules.Schedule (e.g. pdjax.pipeline.build(...)), "
+                        f"got {type(schedule).__name__}")
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
 
 
 def check_setup(schedule, cfg: ModelConfig, devices, loss: str) -> tuple[list, int, int]:
@@ -17,8 +31,7 @@ def check_setup(schedule, cfg: ModelConfig, devices, loss: str) -> tuple[list, i
     pipelines all have the same length and whose micro-batch ids are ``0..m-1``, ranks that
     split ``devices`` (default: all) evenly, and a per-rank sub-mesh that divides the routed
     experts. Returns ``(devices, devices per rank, stages per pipeline)``."""
-    if not isinstance(cfg, ModelConfig):
-        raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+    check_schedule_and_config(schedule, cfg)
     if loss not in LOSSES:
         raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
     schedule.validate()

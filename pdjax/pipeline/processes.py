@@ -54,7 +54,7 @@ import time
 
 import numpy as np
 
-from pdjax.cluster.supervisor import LaunchError, Supervisor, device_environ, jax_settings_environ
+from pdjax.cluster.supervisor import LaunchError, Supervisor, device_environ
 
 PEER_DEATH_GRACE_S = 3.0    # how long a rank's error waits to see whether a peer died first (its cause)
 
@@ -130,10 +130,8 @@ class RankProcesses:
 
     # ---- processes -----------------------------------------------------------------------
     def _spawn(self, r: int, extra_env) -> None:
-        # the parent's numerics and compilation cache, then the caller's extra environment
-        config = jax_settings_environ()
         self.procs.start([sys.executable, "-m", "pdjax.pipeline.rank_worker", self._dir, str(r), str(self.cores[r])],
-                         device_environ(1, {**config, **(extra_env or {})}), name=f"rank {r}'s process",
+                         device_environ(1, extra_env), name=f"rank {r}'s process",
                          orphan_pipe=True, log_path=os.path.join(self._dir, f"rank{r}.log"))
 
     def _wait_ready(self, r: int, timeout_s: float) -> dict:

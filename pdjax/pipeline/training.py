@@ -1,7 +1,7 @@
 """Resumable optax training of the pdjax model over any pipeline schedule.
 
     s = pdjax.pipeline.build("dualpipe", num_ranks=4, num_microbatches=8)
-    state = pdjax.pipeline.train(cfg, s, data, optimizer=optax.adamw(1e-3), steps=1000,
+    state = pdjax.pipeline.train(s, cfg, data, optimizer=optax.adamw(1e-3), steps=1000,
                                  devices=jax.devices()[:4], checkpoint_dir="/tmp/run",
                                  checkpoint_every=100)
     state.losses, state.step, state.params
@@ -35,6 +35,7 @@ import numpy as np
 import optax
 
 from pdjax.config import ModelConfig
+from pdjax.pipeline import executor_checks as ec
 from pdjax.pipeline.executor import Executor
 
 CHECKPOINTS_KEPT = 3
@@ -66,12 +67,12 @@ def _apply(optimizer, params, opt_state, grads):
     return optax.apply_updates(params, updates), opt_state
 
 
-def train(cfg: ModelConfig, schedule, data, optimizer=None, steps: int = 20, *, devices=None,
+def train(schedule, cfg: ModelConfig, data, optimizer=None, steps: int = 20, *, devices=None,
           params=None, seed: int = 0, executor: Executor | None = None, layers_per_stage=None,
           checkpoint_dir: str | os.PathLike | None = None,
           checkpoint_every: int | None = None) -> TrainState:
-    """Train the model ``cfg`` for ``steps`` steps in all, each a step of ``schedule``;
-    returns the final :class:`TrainState`.
+    """Train the model ``cfg`` for ``steps`` steps in all, each a step of ``schedule`` (the
+    schedule first, as in :class:`Executor`); returns the final :class:`TrainState`.
 
     ``data``: an array [N, B, T] of token batches, consumed in order (batch ``i`` at step
     ``i``; N must cover ``steps``, it does not wrap), or a callable ``data(position, key)``
@@ -89,6 +90,7 @@ def train(cfg: ModelConfig, schedule, data, optimizer=None, steps: int = 20, *, 
     Every argument and every array batch is checked before any compute (ValueError naming
     the problem); a callable's batches are checked as they come, before their step runs.
     """
+    ec.check_schedule_and_config(schedule, cfg)
     optimizer = DEFAULT_OPTIMIZER if optimizer is None else optimizer
     _check_args(steps, optimizer, checkpoint_dir, checkpoint_every)
     if not _is_count(seed) or seed < 0:

@@ -99,13 +99,6 @@ def greedy_schedule(layout: Layout, *, F=1.0, I=1.0, W=1.0, FB=None, comm=0.0, c
                     (("policy", policy.label()), ("cap", tuple(caps)), ("cap_binding", run.binding)))
 
 
-def _same_rank_before(layout: Layout, stage: int) -> bool:
-    """Whether an earlier stage of ``stage``'s pipeline lives on the same rank."""
-    stages = layout.pipeline_of_stage(stage).stages
-    r = layout.stage_rank[stage]
-    return any(layout.stage_rank[q] == r for q in stages[:stages.index(stage)])
-
-
 def span_bubble(timeline) -> np.ndarray:
     """Per rank, idle time between its first op's start and its last op's end: the
     bubble of the zero-bubble papers' steady state (consecutive steps tile without the

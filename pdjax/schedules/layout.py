@@ -99,10 +99,6 @@ class Layout:
     def pipeline_of_stage(self, stage: int) -> Pipeline:
         return self.pipelines[self.stage_pipeline[stage]]
 
-    def stage_has_microbatch(self, stage: int, microbatch: int) -> bool:
-        pipe = self.pipeline_of_stage(stage)
-        return pipe.first_microbatch <= microbatch < pipe.first_microbatch + pipe.num_microbatches
-
     # ---- constructors -------------------------------------------------------------
     @classmethod
     def chain(cls, stage_rank: tuple[int, ...] | list[int], num_microbatches: int,

@@ -1,10 +1,10 @@
 """Discrete-event simulator of colocated, PD-disaggregated and AF-disaggregated serving.
 
     cost = pdjax.sim.LinearStepCost.from_roofline(pdjax.configs.deepseek_v3(), "h800", ep_size=32)
-    reqs = pdjax.sim.generate(pdjax.sim.WorkloadSpec(num_requests=1000, rate=20.0,
-                                                     input=2048, output=256, seed=0))
-    res = pdjax.sim.simulate(pdjax.sim.PDDisaggregated(2, 2, link_bw=32 * 50e9), cost, reqs,
-                             slo=pdjax.sim.SLO(ttft=2.0, tpot=0.05))
+    reqs = pdjax.sim.sample_requests(pdjax.sim.WorkloadSpec(num_requests=1000, rate=20.0,
+                                                            input=2048, output=256, seed=0))
+    res = pdjax.sim.simulate_serving(pdjax.sim.PDDisaggregated(2, 2, link_bw=32 * 50e9), cost, reqs,
+                                     slo=pdjax.sim.SLO(ttft=2.0, tpot=0.05))
     res.summary["goodput_rps"]
 
 Modules (one concept each): ``cost`` (the cost-model protocol, LinearStepCost),
@@ -19,7 +19,7 @@ Pure Python + numpy (matplotlib for plots); no jax. See docs/sim.md.
 module (``pdjax.sim.policies.chunk_for_budget``, ``pdjax.sim.afd_step.AFDStepModel``, ...).
 """
 
-from pdjax.deprecation import package_getattr
+from pdjax.submodules import lazy_submodules
 from pdjax.sim.controller import ControllerConfig
 from pdjax.sim.cost import FittedStepCost, LinearStepCost
 from pdjax.sim.deployment import AFDisaggregated, Colocated, PDDisaggregated
@@ -27,32 +27,14 @@ from pdjax.sim.metrics import SLO
 from pdjax.sim.prefix_cache import PrefixCache
 from pdjax.sim.result import SimResult
 from pdjax.sim.sweeps import af_ratio_sweep, max_rate_under_slo, pd_ratio_sweep, workload_at_rate
-from pdjax.sim.simulator import Simulator, simulate
+from pdjax.sim.simulator import Simulator, simulate_serving
 from pdjax.sim.trace import load_trace
-from pdjax.sim.workload import Request, WorkloadSpec, generate, length_dist
+from pdjax.sim.workload import SimRequest, WorkloadSpec, length_dist, sample_requests
 
 __all__ = [
     "AFDisaggregated", "Colocated", "ControllerConfig", "FittedStepCost", "LinearStepCost", "PDDisaggregated",
-    "PrefixCache", "Request", "SLO", "SimResult", "Simulator", "WorkloadSpec", "af_ratio_sweep", "generate",
-    "length_dist", "load_trace", "max_rate_under_slo", "pd_ratio_sweep", "simulate", "workload_at_rate",
+    "PrefixCache", "SLO", "SimRequest", "SimResult", "Simulator", "WorkloadSpec", "af_ratio_sweep", "length_dist",
+    "load_trace", "max_rate_under_slo", "pd_ratio_sweep", "sample_requests", "simulate_serving", "workload_at_rate",
 ]
 
-# ---- names that left the face: importable from their module; these aliases go next release ----
-_MOVED = {
-    **dict.fromkeys(("AFDStepModel", "afd_layer_cycle", "exchange_hidden"), "afd_step"),
-    "PDController": "controller",
-    **dict.fromkeys(("AFDCostModel", "StepCostModel", "check_cost_model"), "cost"),
-    **dict.fromkeys(("percentiles", "summarize"), "metrics"),
-    **dict.fromkeys(("DEFAULT_BUCKET_EDGES", "chunk_for_budget", "length_bucket", "pick_by_quota", "pick_decode"),
-                    "policies"),
-    **dict.fromkeys(("segment_chain_hashes", "token_chain_hashes"), "prefix_cache"),
-    "rate_runner": "sweeps", "LengthDist": "workload",
-}
-_SUBMODULES = ("afd_step", "colocated", "controller", "cost", "cost_fit", "deployment", "instances", "metrics", "policies",
-               "prefix_cache", "result", "simulator", "sweeps", "trace", "workload")
-_RENAMED = {"afd": "afd_step", "search": "sweeps"}   # module names another subpackage also used
-
-
-__getattr__ = package_getattr(__name__, {**{name: f"{__name__}.{module}" for name, module in _MOVED.items()},
-                                         **{name: (f"{__name__}.{module}", None) for name, module in _RENAMED.items()}},
-                              _SUBMODULES)
+__getattr__ = lazy_submodules(__name__)

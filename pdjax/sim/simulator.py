@@ -1,5 +1,5 @@
 """The discrete-event serving simulator: the event loop and the request lifecycle
-(:class:`Simulator`, :func:`simulate`); what a run returns is in :mod:`pdjax.sim.result`.
+(:class:`Simulator`, :func:`simulate_serving`); what a run returns is in :mod:`pdjax.sim.result`.
 
 Events (a heap ordered by time, then by insertion order, so runs are deterministic):
 request arrival, instance step done, KV transfer done, controller tick.
@@ -43,7 +43,7 @@ ARRIVAL, STEP, KV_READY, CONTROL = 0, 1, 2, 3
 class Simulator:
     """One simulation of ``requests`` through ``deployment`` with step times from ``cost``
     (``prefix_cache``, ``slo``, ``horizon``, ``max_wait`` optional); ``run()`` returns a
-    :class:`SimResult`. :func:`simulate` is the one-call form.
+    :class:`SimResult`. :func:`simulate_serving` is the one-call form.
 
     ``decode_jitter``: multiplicative factors (> 0), e.g. measured decode step times over
     the fitted ones; each decode step's time is multiplied by one drawn uniformly from them
@@ -359,8 +359,8 @@ class Simulator:
             self.retry_pending(t)
 
 
-def simulate(deployment, cost, requests, **kwargs) -> SimResult:
-    """Run ``requests`` (a list of :class:`~pdjax.sim.workload.Request`, left untouched)
+def simulate_serving(deployment, cost, requests, **kwargs) -> SimResult:
+    """Run ``requests`` (a list of :class:`~pdjax.sim.workload.SimRequest`, left untouched)
     through ``deployment`` with step times from ``cost``. Keyword arguments: ``prefix_cache``,
     ``slo``, ``horizon``, ``max_wait``, ``decode_jitter``, ``jitter_seed`` (see
     :class:`Simulator`)."""

@@ -15,9 +15,9 @@ from typing import Callable, Iterable, Optional
 
 from pdjax.arguments import check_positive
 from pdjax.sim.deployment import AFDisaggregated, PDDisaggregated
-from pdjax.sim.simulator import simulate
+from pdjax.sim.simulator import simulate_serving
 from pdjax.sim.metrics import SLO
-from pdjax.sim.workload import WorkloadSpec, check_rate, generate
+from pdjax.sim.workload import WorkloadSpec, check_rate, sample_requests
 
 
 def workload_at_rate(spec: WorkloadSpec, rate: float, duration: Optional[float] = None) -> list:
@@ -30,7 +30,7 @@ def workload_at_rate(spec: WorkloadSpec, rate: float, duration: Optional[float] 
     if duration is not None:
         check_positive("duration", duration)
         changes["num_requests"] = max(1, math.ceil(rate * duration))
-    return generate(dataclasses.replace(spec, **changes))
+    return sample_requests(dataclasses.replace(spec, **changes))
 
 
 def rate_runner(spec: WorkloadSpec, deployment, cost, slo: SLO, duration: Optional[float] = None,
@@ -41,7 +41,7 @@ def rate_runner(spec: WorkloadSpec, deployment, cost, slo: SLO, duration: Option
         raise TypeError("rate_runner needs an SLO")
 
     def run(rate: float) -> dict:
-        return simulate(deployment, cost, workload_at_rate(spec, rate, duration), slo=slo,
+        return simulate_serving(deployment, cost, workload_at_rate(spec, rate, duration), slo=slo,
                         **sim_kwargs).summary
     return run
 

@@ -16,7 +16,7 @@ import json
 import math
 import os
 
-from pdjax.sim.workload import Request
+from pdjax.sim.workload import SimRequest
 
 REQUIRED = ("arrival_time", "input_len", "output_len")
 OPTIONAL = ("session_id", "prefix_id", "prefix_len", "retention")
@@ -62,7 +62,7 @@ def _num(path, i, row, col, kind=float):
     return x
 
 
-def load_trace(path: str) -> list[Request]:
+def load_trace(path: str) -> list[SimRequest]:
     """Requests of the trace at ``path`` (.csv/.tsv or .jsonl), sorted by arrival."""
     rows = _read_rows(path)
     if not rows:
@@ -117,7 +117,7 @@ def load_trace(path: str) -> list[Request]:
         if sid is not None:
             session_ids[sid] = turn + 1
             sessions[sid] = (segs + ((out_seg, n_out),), n_in + n_out)
-        out.append(Request(rid, t, n_in, n_out, session_id=session_index.setdefault(sid, len(session_index)) if sid else -1,
+        out.append(SimRequest(rid, t, n_in, n_out, session_id=session_index.setdefault(sid, len(session_index)) if sid else -1,
                            turn=turn, segments=segs, out_segment=out_seg, retention=ret,
                            prefix_id=prefix_ids.get(pid, -1) if pid is not None else -1))
     return out

@@ -24,7 +24,7 @@ import numpy as np
 from pdjax.arguments import check_int, check_nonnegative
 
 
-class Request:
+class SimRequest:
     """One request and its lifecycle record (times in seconds since the start)."""
 
     __slots__ = ("rid", "arrival", "input_len", "output_len", "session_id", "turn",
@@ -57,9 +57,9 @@ class Request:
         self.pred_cost = self.kv_wait = 0.0
         self._hashes = None
 
-    def fresh(self) -> "Request":
+    def fresh(self) -> "SimRequest":
         """A copy with the same description and an empty lifecycle record."""
-        return Request(self.rid, self.arrival, self.input_len, self.output_len, self.session_id,
+        return SimRequest(self.rid, self.arrival, self.input_len, self.output_len, self.session_id,
                        self.turn, self.segments, self.out_segment, self.retention, self.prefix_id)
 
     @property
@@ -67,7 +67,7 @@ class Request:
         return self.input_len + self.output_len
 
     def __repr__(self):
-        return (f"Request(rid={self.rid}, arrival={self.arrival:.4g}, in={self.input_len}, "
+        return (f"SimRequest(rid={self.rid}, arrival={self.arrival:.4g}, in={self.input_len}, "
                 f"out={self.output_len}, status={self.status})")
 
 
@@ -197,7 +197,7 @@ class WorkloadSpec:
                 raise ValueError(f"retention mix must map classes to weights >= 0, got {self.retention}")
 
 
-def generate(spec: WorkloadSpec) -> list[Request]:
+def sample_requests(spec: WorkloadSpec) -> list[SimRequest]:
     """The requests of ``spec``, sorted by arrival (deterministic in ``spec.seed``)."""
     rng = np.random.default_rng(spec.seed)
     in_d, out_d, turn_d = length_dist(spec.input), length_dist(spec.output), length_dist(spec.turns)
@@ -242,15 +242,6 @@ def generate(spec: WorkloadSpec) -> list[Request]:
             prefix = segs + ((out_seg, int(outs[k])),)
             k += 1
     rows.sort(key=lambda r: (r[0], r[1], r[2]))
-    return [Request(i, r[0], sum(x[1] for x in r[3]), r[5], session_id=r[1], turn=r[2],
+    return [SimRequest(i, r[0], sum(x[1] for x in r[3]), r[5], session_id=r[1], turn=r[2],
                     segments=r[3], out_segment=r[4], retention=r[6], prefix_id=r[7])
             for i, r in enumerate(rows[:n])]
-
-
-def workload_from_dict(d: dict) -> WorkloadSpec:
-    """A WorkloadSpec from a TOML/JSON table (unknown keys: ValueError naming them)."""
-    fields = {f.name for f in dataclasses.fields(WorkloadSpec)}
-    unknown = set(d) - fields
-    if unknown:
-        raise ValueError(f"unknown workload keys {sorted(unknown)}; known: {sorted(fields)}")
-    return WorkloadSpec(**d)

@@ -241,6 +241,29 @@ def test_report_returns_data_and_prints_only_when_asked(capsys):
     assert str(sheet).count("\n") > 30
 
 
+@pytest.mark.parametrize("layout", ["even", "replicated"])
+def test_report_defaults_to_the_smallest_ep_at_which_the_weights_fit(layout):
+    """report(cfg, hw) with its defaults gives a useful sheet: the EP size is the smallest
+    divisor of the routed experts whose per-GPU weights (ep_weight_bytes_per_gpu) fit the HBM,
+    so the weights fit, there is a concurrency, and the next smaller divisor does not fit."""
+    v3, hbm = pdjax.configs.deepseek_v3(), A.hardware("h800").hbm_bytes
+    m = A.report(v3, "h800", ep_layout=layout).memory
+    ep = m["ep_size"]
+    assert m["ep_size_chosen"] and m["weights_fit"] and m["c_max_mla"] > 1
+    divisors = [d for d in range(1, v3.n_routed_experts + 1) if v3.n_routed_experts % d == 0]
+    smaller = divisors[divisors.index(ep) - 1]
+    assert A.ep_weight_bytes_per_gpu(v3, ep, 2, layout) < hbm <= A.ep_weight_bytes_per_gpu(v3, smaller, 2, layout)
+    assert m["weights_per_gpu_GB"] * GB == pytest.approx(A.ep_weight_bytes_per_gpu(v3, ep, 2, layout))
+    assert ep == 32     # bf16 V3 on 80 GB: even 1,342 GB / 32 = 41.9 GB (/ 16: 83.9); replicated
+    #                     34.2 GB + 1,308 GB / 32 = 75.1 GB (/ 16: 116)
+    pinned = A.report(v3, "h800", ep_size=ep, ep_layout=layout).memory
+    assert pinned["ep_size_chosen"] is False and pinned["weights_per_gpu_GB"] == m["weights_per_gpu_GB"]
+    # act_bytes stays free: with all but 30 GB reserved, even needs EP64 (21.0 GB); replicated
+    # never fits (34.2 GB not routed): the largest EP, reported as not fitting
+    tight = A.report(v3, "h800", ep_layout=layout, act_bytes=hbm - 30e9).memory
+    assert (tight["ep_size"], tight["weights_fit"]) == ((64, True) if layout == "even" else (256, False))
+
+
 def test_report_when_weights_do_not_fit():
     sheet = A.report(pdjax.configs.deepseek_v3(), "h100", ep_size=1, verbose=False)
     assert sheet.memory["weights_fit"] is False

@@ -24,4 +24,4 @@ def pd_prompts(tiny_cfg):
 @pytest.fixture(scope="session")
 def pd_expected(tiny_cfg, tiny_params, pd_prompts):
     out = pdjax.generate(tiny_params, tiny_cfg, pd_prompts, max_new_tokens=5)
-    return [o[len(p):] for o, p in zip(out, pd_prompts)]
+    return out

@@ -222,7 +222,7 @@ def wrap(link, server) -> FaultyLink:
 
 
 def inject_prefill_fault(server, **fault) -> dict:
-    """Send ``fault`` to the prefill process of a ``launch_two_process`` / ``launch_pd`` server (started with
+    """Send ``fault`` to the prefill process of a ``launch_pd`` server (started with
     serve_faulty.py) on a control connection of its own; returns the reply, raises if the
     process refused it."""
     from pdjax.cluster.transfer import Control

@@ -1,7 +1,7 @@
 """The fault tests' own entry point of a two-process PD role: ``pdjax serve`` with the prefill
 role's KV link wrapped in a :class:`faults.FaultyLink` and a ``fault`` control op that arms
 it (:func:`faults.wrap`). Exists only in tests/: the production server has no flag that loads
-code. Started by ``launch_two_process(serve_command=[python, this file])``."""
+code. Started by ``launch_pd(serve_command=[python, this file])``."""
 
 import os
 import sys

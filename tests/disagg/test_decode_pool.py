@@ -46,7 +46,7 @@ def _handoff(tiny_cfg, tiny_params, LENS, seed=1):
     logits, cache = pdjax.prefill(tiny_params, tiny_cfg, tokens, lengths=lens, max_len=max(LENS) + NEW)
     first = np.argmax(np.asarray(logits)[np.arange(len(LENS)), lens - 1], -1)
     rows = [[np.asarray(kv[i, :n]) for kv in cache.kv] for i, n in enumerate(LENS)]
-    return [(p, int(f), r) for p, f, r in zip(prompts, first, rows)], [w[len(p):] for w, p in zip(want, prompts)]
+    return [(p, int(f), r) for p, f, r in zip(prompts, first, rows)], want
 
 
 def _pool(cfg, params):

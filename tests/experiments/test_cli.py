@@ -153,7 +153,7 @@ def test_report_rebuilds_identically_without_recomputing(tmp_path, tiny_sim, mon
 
     def no_compute(*args, **kwargs):
         raise AssertionError("pdjax report recomputed the experiment")
-    monkeypatch.setattr(colocated_vs_pd, "simulate", no_compute)
+    monkeypatch.setattr(colocated_vs_pd, "simulate_serving", no_compute)
     monkeypatch.setattr(serving, "max_rate_under_slo", no_compute)
     assert cli.main(["report", run_dir]) == 0
     assert open(report).read() == written

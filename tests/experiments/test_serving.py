@@ -45,7 +45,7 @@ def test_experiment_runners_write_their_outputs(tmp_path, kind, extra):
 ])
 def test_serving_configs_are_checked_before_simulating(tmp_path, monkeypatch, change, message):
     for module in (colocated_vs_pd, prefix_cache_capacity):
-        monkeypatch.setattr(module, "simulate", lambda *a, **k: pytest.fail("simulated a bad config"))
+        monkeypatch.setattr(module, "simulate_serving", lambda *a, **k: pytest.fail("simulated a bad config"))
     monkeypatch.setattr(serving, "max_rate_under_slo", lambda *a, **k: pytest.fail("simulated a bad config"))
     cfg = {**SMALL, "deployment": {"instances": 2, "prefill": 1}, **change}
     kind = "colocated_vs_pd"

@@ -1,6 +1,5 @@
 """Plots, text rendering, Chrome trace, notebook display, and the bubble sweep."""
 
-import csv
 import json
 import tomllib
 from pathlib import Path
@@ -8,7 +7,8 @@ from pathlib import Path
 import pytest
 
 import pdjax.schedules as pp
-from pdjax.experiments.bubble_sweep import run_bubble_sweep
+from pdjax.experiments import bubble_sweep
+from pdjax.experiments.schema import parse
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -56,29 +56,34 @@ def test_notebook_display(timeline):
     assert "rank 0" in s._repr_html_()
 
 
-def test_bubble_sweep_config_runs(tmp_path):
+def _sweep_config(tables: dict):
+    return parse(bubble_sweep.Config, {"kind": "bubble_sweep", **tables})
+
+
+def test_bubble_sweep_config_runs():
     cfg = tomllib.loads((ROOT / "pdjax" / "experiments" / "configs" / "bubble_sweep.toml").read_text())
     assert cfg["sweep"]["num_stages"] == [4, 8, 16, 32]
-    small = {"sweep": dict(cfg["sweep"], num_stages=[4, 8], microbatch_multipliers=[1, 2]), "costs": cfg["costs"]}
-    out = run_bubble_sweep(small, tmp_path)
-    rows = list(csv.DictReader(open(out["csv"])))
+    c = _sweep_config({"sweep": dict(cfg["sweep"], num_stages=[4, 8], microbatch_multipliers=[1, 2]),
+                       "costs": cfg["costs"]})
+    rows = [bubble_sweep.sweep_row(c, point) for point in bubble_sweep.grid(c)]
+    out = bubble_sweep.summarize(rows, c)
     n_sched = len(cfg["sweep"]["schedules"])
     assert len(rows) == out["rows"] == n_sched * 2 * 2
     assert out["formula_mismatches"] == 0 and out["max_abs_error_where_applies"] == 0.0
-    assert Path(out["plot"]).read_bytes()[:4] == b"\x89PNG"
+    assert bubble_sweep.figure(rows, c)._repr_png_()[:4] == b"\x89PNG"
     assert "bubble ratio at P=" in out["headline"]
 
 
 @pytest.mark.parametrize("bad,pattern", [
-    ({"sweep": {"schedules": ["nope"]}}, "unknown schedule name"),
-    ({"sweep": {"num_stages": [0]}}, "positive ints"),
+    ({"sweep": {"schedules": ["nope"]}}, r"sweep\.schedules.*must be one of"),
+    ({"sweep": {"num_stages": [0]}}, r"sweep\.num_stages: must be >= 1, got 0"),
     ({"costs": {"F": -1}}, "costs.F"),
-    ({"costs": {"X": 1}}, "unknown costs keys"),
-    ({"sweep": {"bogus": 1}}, "unknown sweep keys"),
+    ({"costs": {"X": 1}}, r"costs\.X: unknown key"),
+    ({"sweep": {"bogus": 1}}, r"sweep\.bogus: unknown key"),
 ])
-def test_bubble_sweep_bad_config(tmp_path, bad, pattern):
+def test_bubble_sweep_bad_config(bad, pattern):
     with pytest.raises(ValueError, match=pattern):
-        run_bubble_sweep(bad, tmp_path)
+        _sweep_config(bad)
 
 
 def test_plot_draws_on_the_axes_it_is_given():

@@ -57,7 +57,7 @@ def test_every_schedule_trains_like_single_device(name, exec_cfg, reference_curv
     """20 adamw steps: the loss curve equals the single-device one within 1e-5 absolute
     (the losses fall from about 6.1 to 4.8), and training lowers the loss on the learnable task."""
     data, ref = reference_curve
-    state = pp.train(exec_cfg, pp.build(name, RANKS, MICROBATCHES), data, optimizer=OPTIMIZER,
+    state = pp.train(pp.build(name, RANKS, MICROBATCHES), exec_cfg, data, optimizer=OPTIMIZER,
                      steps=STEPS, devices=_devices())
     assert isinstance(state, pp.TrainState)
     assert (state.step, state.data_position, len(state.losses)) == (STEPS, STEPS, STEPS)
@@ -84,7 +84,7 @@ def test_resume_from_checkpoint_equals_uninterrupted_run(exec_cfg, exec_params, 
     data = _keyed_data(exec_cfg.vocab_size)
 
     def run(steps, **kw):
-        return pp.train(exec_cfg, ex.schedule, data, optimizer=OPTIMIZER, steps=steps,
+        return pp.train(ex.schedule, exec_cfg, data, optimizer=OPTIMIZER, steps=steps,
                         params=exec_params, seed=3, executor=ex, **kw)
 
     straight = run(STEPS)
@@ -99,7 +99,7 @@ def test_resume_from_checkpoint_equals_uninterrupted_run(exec_cfg, exec_params, 
     def no_data(position, key):
         raise AssertionError("a finished run must not ask for data")
     for steps in (STEPS, 10):
-        again = pp.train(exec_cfg, ex.schedule, no_data, optimizer=OPTIMIZER, steps=steps,
+        again = pp.train(ex.schedule, exec_cfg, no_data, optimizer=OPTIMIZER, steps=steps,
                          params=exec_params, executor=ex, checkpoint_dir=tmp_path)
         _assert_same_state(again, straight)
     assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == [5, 10, 20]
@@ -120,7 +120,7 @@ def test_bad_input_fails_before_compute(exec_cfg, exec_params, no_compute):
 
     def train(data=data, **kw):
         kw = {"optimizer": OPTIMIZER, "steps": STEPS, "params": exec_params, "devices": _devices(), **kw}
-        return pp.train(exec_cfg, sched, data, **kw)
+        return pp.train(sched, exec_cfg, data, **kw)
 
     for steps in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="steps .* must be an int >= 1"):
@@ -143,12 +143,19 @@ def test_bad_input_fails_before_compute(exec_cfg, exec_params, no_compute):
     other = pp.Executor(pp.build("gpipe", RANKS, MICROBATCHES), exec_cfg, _devices(), measure=False)
     with pytest.raises(ValueError, match="another schedule"):
         train(executor=other, devices=None)
+    # the schedule comes first, in train as in Executor; the old order is named, not run
+    for call in (lambda: pp.train(exec_cfg, sched, data, steps=STEPS, devices=_devices()),
+                 lambda: pp.Executor(exec_cfg, sched, _devices())):
+        with pytest.raises(TypeError, match=r"the schedule comes first.*got \(ModelConfig, Schedule\)"):
+            call()
+    with pytest.raises(TypeError, match="schedule must be a pdjax.schedules.Schedule.*got str"):
+        pp.train("1f1b", exec_cfg, data, steps=STEPS)
 
 
 def test_callable_data_is_checked_before_its_step(exec_cfg, exec_params, no_compute):
     sched = pp.build("1f1b", RANKS, MICROBATCHES)
     with pytest.raises(ValueError, match="does not split into the schedule's 4 micro-batches"):
-        pp.train(exec_cfg, sched, lambda position, key: np.zeros((6, T), np.int32),
+        pp.train(sched, exec_cfg, lambda position, key: np.zeros((6, T), np.int32),
                  optimizer=OPTIMIZER, params=exec_params, devices=_devices())
 
 
@@ -159,5 +166,5 @@ def test_callable_data_keeps_one_batch_shape(exec_cfg, exec_params):
         return np.zeros((B * (1 + position), T), np.int32)
     with pytest.raises(ValueError, match=r"data\(1, key\) returned a batch of shape \(16, 8\), "
                                          r"earlier batches had \(8, 8\)"):
-        pp.train(exec_cfg, pp.build("1f1b", RANKS, MICROBATCHES), data, optimizer=OPTIMIZER,
+        pp.train(pp.build("1f1b", RANKS, MICROBATCHES), exec_cfg, data, optimizer=OPTIMIZER,
                  steps=2, params=exec_params, devices=_devices())

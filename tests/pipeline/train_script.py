@@ -17,7 +17,7 @@ def run(steps: int, checkpoint_dir: str, devices):
     cfg = pdjax.configs.tiny(num_hidden_layers=4, first_k_dense_replace=2)
     data = np.random.default_rng(1).integers(0, cfg.vocab_size, (TOTAL, MICROBATCHES * ROWS, T), dtype=np.int32)
     schedule = pp.build("zb1p", RANKS, MICROBATCHES)
-    return pp.train(cfg, schedule, data, steps=steps, devices=devices, checkpoint_dir=checkpoint_dir)
+    return pp.train(schedule, cfg, data, steps=steps, devices=devices, checkpoint_dir=checkpoint_dir)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 
 import pdjax
 from pdjax import sim
-from pdjax.sim.workload import Request
+from pdjax.sim.workload import SimRequest
 
 
 @pytest.fixture(scope="module")
@@ -15,7 +15,7 @@ def cost():
 
 
 def one(input_len, output_len, arrival=0.0, rid=0):
-    return Request(rid, arrival, input_len, output_len)
+    return SimRequest(rid, arrival, input_len, output_len)
 
 
 def decode_sum(cost, input_len, output_len):
@@ -26,20 +26,20 @@ def decode_sum(cost, input_len, output_len):
 
 def test_single_request_colocated(cost):
     n_in, n_out = 3000, 17
-    res = sim.simulate(sim.Colocated(1, token_budget=4096), cost, [one(n_in, n_out)])
+    res = sim.simulate_serving(sim.Colocated(1, token_budget=4096), cost, [one(n_in, n_out)])
     r = res.requests[0]
     assert r.status == "finished"
     assert r.t_first == pytest.approx(cost.prefill_step_time([(n_in, 0)]), rel=1e-12)
     tpot = (r.t_finish - r.t_first) / (n_out - 1)
     assert tpot == pytest.approx(decode_sum(cost, n_in, n_out) / (n_out - 1), rel=1e-12)
     # two output tokens: TPOT is exactly one decode step
-    r2 = sim.simulate(sim.Colocated(1, token_budget=4096), cost, [one(n_in, 2)]).requests[0]
+    r2 = sim.simulate_serving(sim.Colocated(1, token_budget=4096), cost, [one(n_in, 2)]).requests[0]
     assert r2.t_finish - r2.t_first == pytest.approx(cost.decode_step_time([n_in]), rel=1e-12)
 
 
 def test_chunked_prefill_ttft_is_sum_of_chunks(cost):
     n_in, budget = 5000, 2048
-    r = sim.simulate(sim.Colocated(1, token_budget=budget), cost, [one(n_in, 4)]).requests[0]
+    r = sim.simulate_serving(sim.Colocated(1, token_budget=budget), cost, [one(n_in, 4)]).requests[0]
     chunks, done = [], 0
     while done < n_in:
         q = min(budget, n_in - done)
@@ -54,7 +54,7 @@ def test_pd_exposed_transfer_layerwise(cost, bw, layerwise):
     n_in, n_out = 8192, 9
     L = pdjax.configs.deepseek_v3().num_hidden_layers
     dep = sim.PDDisaggregated(1, 1, link_bw=bw, layerwise=layerwise)
-    r = sim.simulate(dep, cost, [one(n_in, n_out)]).requests[0]
+    r = sim.simulate_serving(dep, cost, [one(n_in, n_out)]).requests[0]
     t_pre = cost.prefill_step_time([(n_in, 0)])
     x = cost.kv_transfer_time(n_in, bw)
     exposed = max(x / L, x - t_pre * (L - 1) / L) if layerwise else x
@@ -64,7 +64,7 @@ def test_pd_exposed_transfer_layerwise(cost, bw, layerwise):
 
 
 def test_pd_output_one_token_needs_no_transfer(cost):
-    res = sim.simulate(sim.PDDisaggregated(1, 1, link_bw=1e9), cost, [one(1000, 1)])
+    res = sim.simulate_serving(sim.PDDisaggregated(1, 1, link_bw=1e9), cost, [one(1000, 1)])
     r = res.requests[0]
     assert r.t_finish == r.t_first == pytest.approx(cost.prefill_step_time([(1000, 0)]))
     assert res.summary["transfer_bytes"] == 0
@@ -73,7 +73,7 @@ def test_pd_output_one_token_needs_no_transfer(cost):
 def test_backpressure_waits_for_decode_slot(cost):
     n_in, n_out = 1000, 5
     dep = sim.PDDisaggregated(1, 1, link_bw=32 * 50e9, kv_capacity=n_in + n_out)
-    res = sim.simulate(dep, cost, [one(n_in, n_out, 0.0, 0), one(n_in, n_out, 0.0, 1)])
+    res = sim.simulate_serving(dep, cost, [one(n_in, n_out, 0.0, 0), one(n_in, n_out, 0.0, 1)])
     a, b = res.requests
     assert a.t_handshake == 0.0
     assert b.t_handshake == pytest.approx(a.t_finish)          # slot freed by a's finish
@@ -82,7 +82,7 @@ def test_backpressure_waits_for_decode_slot(cost):
 
 def test_oversized_request_is_rejected_with_reason(cost):
     dep = sim.PDDisaggregated(1, 1, link_bw=1e9, kv_capacity=100)
-    res = sim.simulate(dep, cost, [one(90, 20), one(50, 10, 0.1, 1)])
+    res = sim.simulate_serving(dep, cost, [one(90, 20), one(50, 10, 0.1, 1)])
     assert [r.status for r in res.requests] == ["rejected", "finished"]
     assert "exceeds the KV capacity" in res.requests[0].reason
     assert res.summary["reject_reasons"] and res.summary["rejected"] == 1
@@ -91,7 +91,7 @@ def test_oversized_request_is_rejected_with_reason(cost):
 def test_afd_single_request_matches_step_model(cost):
     n_in, n_out, M, N, m = 4096, 6, 2, 1, 3
     dep = sim.AFDisaggregated(1, 1, link_bw=32 * 50e9, num_attention=M, num_ffn=N, microbatches=m)
-    r = sim.simulate(dep, cost, [one(n_in, n_out)]).requests[0]
+    r = sim.simulate_serving(dep, cost, [one(n_in, n_out)]).requests[0]
     L = cost.num_layers
     x = cost.kv_transfer_time(n_in, dep.link_bw)
     t_pre = cost.prefill_step_time([(n_in, 0)])
@@ -121,9 +121,9 @@ def test_determinism_and_seed_sensitivity(cost):
                 system_prompt_len=512, turns={"kind": "uniform", "low": 1, "high": 3}, think_time=1.0)
     dep = sim.PDDisaggregated(2, 2, link_bw=32 * 50e9)
     cache = lambda: sim.PrefixCache(10_000, block_size=64)
-    a = sim.simulate(dep, cost, sim.generate(sim.WorkloadSpec(seed=3, **spec)), prefix_cache=cache())
-    b = sim.simulate(dep, cost, sim.generate(sim.WorkloadSpec(seed=3, **spec)), prefix_cache=cache())
-    c = sim.simulate(dep, cost, sim.generate(sim.WorkloadSpec(seed=4, **spec)), prefix_cache=cache())
+    a = sim.simulate_serving(dep, cost, sim.sample_requests(sim.WorkloadSpec(seed=3, **spec)), prefix_cache=cache())
+    b = sim.simulate_serving(dep, cost, sim.sample_requests(sim.WorkloadSpec(seed=3, **spec)), prefix_cache=cache())
+    c = sim.simulate_serving(dep, cost, sim.sample_requests(sim.WorkloadSpec(seed=4, **spec)), prefix_cache=cache())
     assert a.summary == b.summary
     assert a.summary != c.summary
     assert a.summary["prefix_hit_rate"] > 0
@@ -131,7 +131,7 @@ def test_determinism_and_seed_sensitivity(cost):
 
 def test_simulate_leaves_input_requests_untouched(cost):
     reqs = [one(100, 3)]
-    sim.simulate(sim.Colocated(1), cost, reqs)
+    sim.simulate_serving(sim.Colocated(1), cost, reqs)
     assert reqs[0].status is None
 
 
@@ -143,7 +143,7 @@ DEPLOYMENTS = st.sampled_from(["colocated", "pd", "afd", "pd_controller"])
        cap=st.integers(300, 6000), horizon=st.one_of(st.none(), st.floats(0.05, 5.0)),
        max_wait=st.one_of(st.none(), st.floats(0.01, 1.0)), time_budget=st.booleans())
 def test_no_request_is_ever_lost(cost, kind, seed, n, cap, horizon, max_wait, time_budget):
-    reqs = sim.generate(sim.WorkloadSpec(
+    reqs = sim.sample_requests(sim.WorkloadSpec(
         num_requests=n, rate=200.0, seed=seed, input={"kind": "uniform", "low": 1, "high": 3000},
         output={"kind": "uniform", "low": 1, "high": 400}, system_prompts=2, system_prompt_len=64,
         turns={"kind": "uniform", "low": 1, "high": 3}))
@@ -158,7 +158,7 @@ def test_no_request_is_ever_lost(cost, kind, seed, n, cap, horizon, max_wait, ti
     else:
         dep = sim.PDDisaggregated(2, 2, link_bw=1e9, kv_capacity=cap,
                                   controller=sim.ControllerConfig(interval=0.05, cooldown=0.1))
-    res = sim.simulate(dep, cost, reqs, prefix_cache=sim.PrefixCache(200, 32), horizon=horizon,
+    res = sim.simulate_serving(dep, cost, reqs, prefix_cache=sim.PrefixCache(200, 32), horizon=horizon,
                        max_wait=None if kind == "colocated" else max_wait,
                        slo=sim.SLO(ttft=1.0, tpot=0.05))
     s = res.summary
@@ -178,22 +178,22 @@ def test_roofline_cost_model_runs():
                                      dtype_bytes=2, ep_size=32)
     sim.cost.check_cost_model(cm)
     n_in, n_out = 2048, 5
-    r = sim.simulate(sim.Colocated(1, token_budget=4096), cm, [one(n_in, n_out)]).requests[0]
+    r = sim.simulate_serving(sim.Colocated(1, token_budget=4096), cm, [one(n_in, n_out)]).requests[0]
     assert r.t_first == pytest.approx(cm.prefill_step_time([(n_in, 0)]), rel=1e-9)
     steps = sum(cm.decode_step_time([n_in + j]) for j in range(n_out - 1))
     assert r.t_finish - r.t_first == pytest.approx(steps, rel=1e-9)
     bw = 32 * 50e9
-    r = sim.simulate(sim.PDDisaggregated(1, 1, link_bw=bw, num_layers=61), cm,
+    r = sim.simulate_serving(sim.PDDisaggregated(1, 1, link_bw=bw, num_layers=61), cm,
                      [one(n_in, n_out)]).requests[0]
     x, t_pre, L = cm.kv_transfer_time(n_in, bw), cm.prefill_step_time([(n_in, 0)]), 61
     assert r.kv_wait == pytest.approx(max(x / L, x - t_pre * (L - 1) / L), rel=1e-9)
-    reqs = sim.generate(sim.WorkloadSpec(num_requests=200, rate=20.0, input=1024, output=64, seed=0))
-    res = sim.simulate(sim.PDDisaggregated(2, 2, link_bw=bw), cm, reqs)
+    reqs = sim.sample_requests(sim.WorkloadSpec(num_requests=200, rate=20.0, input=1024, output=64, seed=0))
+    res = sim.simulate_serving(sim.PDDisaggregated(2, 2, link_bw=bw), cm, reqs)
     assert res.summary["finished"] + res.summary["rejected"] == 200
     # AF-disaggregated decode runs on the roofline model's attention/FFN split too
     assert cm.decode_attention_time([n_in]) + cm.decode_ffn_time(1) == pytest.approx(cm.decode_step_time([n_in]))
     assert cm.afd_exchange_bytes(4) == cm.cfg.hidden_size * 2 * min(cm.cfg.num_experts_per_tok, 4)
-    res = sim.simulate(sim.AFDisaggregated(2, 2, link_bw=bw, num_attention=2, num_ffn=2), cm, reqs)
+    res = sim.simulate_serving(sim.AFDisaggregated(2, 2, link_bw=bw, num_attention=2, num_ffn=2), cm, reqs)
     assert res.summary["finished"] + res.summary["rejected"] == 200 and res.summary["finished"] > 0
 
 
@@ -221,11 +221,11 @@ class ProtocolOnly:
 def test_incremental_kv_totals_match_the_protocol_path(cost, dep):
     """The fast path (running KV totals kept incrementally) and the protocol path (explicit
     kv_lens lists every step) give the same schedule."""
-    reqs = sim.generate(sim.WorkloadSpec(num_requests=120, rate=40.0, seed=5,
+    reqs = sim.sample_requests(sim.WorkloadSpec(num_requests=120, rate=40.0, seed=5,
                                          input={"kind": "uniform", "low": 10, "high": 5000},
                                          output={"kind": "uniform", "low": 1, "high": 120}))
-    a = sim.simulate(dep, cost, reqs).requests
-    b = sim.simulate(dep, ProtocolOnly(cost), reqs).requests
+    a = sim.simulate_serving(dep, cost, reqs).requests
+    b = sim.simulate_serving(dep, ProtocolOnly(cost), reqs).requests
     for x, y in zip(a, b):
         assert x.t_first == pytest.approx(y.t_first, rel=1e-9)
         assert x.t_finish == pytest.approx(y.t_finish, rel=1e-9)
@@ -233,8 +233,8 @@ def test_incremental_kv_totals_match_the_protocol_path(cost, dep):
 
 def test_result_displays_its_summary(cost):
     """A notebook shows a simulation's scalar metrics as a table (and print() as text)."""
-    reqs = sim.generate(sim.WorkloadSpec(num_requests=50, rate=5.0, input=200, output=8, seed=0))
-    res = sim.simulate(sim.Colocated(1, token_budget=4096), cost, reqs)
+    reqs = sim.sample_requests(sim.WorkloadSpec(num_requests=50, rate=5.0, input=200, output=8, seed=0))
+    res = sim.simulate_serving(sim.Colocated(1, token_budget=4096), cost, reqs)
     rows = dict(res.table())
     scalar = {k for k, v in res.summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     assert scalar and scalar <= set(rows) and rows["events"] == f"{res.events:,}"

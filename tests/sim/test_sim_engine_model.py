@@ -9,7 +9,7 @@ import pytest
 
 from pdjax import sim
 from pdjax.analysis.costmodel_fit import DecodeCostFit, PrefillCostFit
-from pdjax.sim.workload import Request
+from pdjax.sim.workload import SimRequest
 
 P, D = 10.0, 1.0          # seconds: every prefill call, every decode step
 
@@ -41,9 +41,9 @@ def test_alternate_steps_take_turns_and_itl_spans_the_prefill():
     """A (8 in, 4 out) at 0, B (8 in, 2 out) at 0.5: prefill A [0, 10]; decode [10, 11]
     (A joins); prefill B [11, 21] (steps alternate); decode [21, 22] (B joins, ends);
     decode [22, 23] (A ends). A's tokens at 10, 11, 22, 23."""
-    reqs = [Request(0, 0.0, 8, 4), Request(1, 0.5, 8, 2)]
+    reqs = [SimRequest(0, 0.0, 8, 4), SimRequest(1, 0.5, 8, 2)]
     dep = sim.Colocated(1, token_budget=64, step_policy="alternate", prefill_max_requests=1)
-    res = sim.simulate(dep, flat_cost(), reqs)
+    res = sim.simulate_serving(dep, flat_cost(), reqs)
     a, b = res.requests
     assert (a.t_first, a.t_finish) == (10.0, 23.0)
     assert (b.t_first, b.t_finish) == (21.0, 22.0)
@@ -63,23 +63,23 @@ def test_alternate_runs_prefills_back_to_back_when_nothing_decodes():
     """One-token requests: no decode step, the prefills follow each other. Two arriving
     while the first prefills: with one request per call their first tokens come a call
     apart; without the limit they share one step (two calls: 2 P)."""
-    reqs = [Request(0, 0.0, 8, 1), Request(1, 1.0, 8, 1), Request(2, 1.0, 8, 1)]
+    reqs = [SimRequest(0, 0.0, 8, 1), SimRequest(1, 1.0, 8, 1), SimRequest(2, 1.0, 8, 1)]
     dep = sim.Colocated(1, token_budget=64, step_policy="alternate", prefill_max_requests=1)
-    assert [r.t_first for r in sim.simulate(dep, flat_cost(), reqs).requests] == [10.0, 20.0, 30.0]
+    assert [r.t_first for r in sim.simulate_serving(dep, flat_cost(), reqs).requests] == [10.0, 20.0, 30.0]
     dep = sim.Colocated(1, token_budget=64, step_policy="alternate")
-    assert [r.t_first for r in sim.simulate(dep, flat_cost(), reqs).requests] == [10.0, 30.0, 30.0]
+    assert [r.t_first for r in sim.simulate_serving(dep, flat_cost(), reqs).requests] == [10.0, 30.0, 30.0]
     # the decode slots bound admission: max_batch = 1 holds B until A ends
-    reqs = [Request(0, 0.0, 8, 3), Request(1, 0.0, 8, 3)]
-    a, b = sim.simulate(sim.Colocated(1, token_budget=64, max_batch=1, step_policy="alternate",
+    reqs = [SimRequest(0, 0.0, 8, 3), SimRequest(1, 0.0, 8, 3)]
+    a, b = sim.simulate_serving(sim.Colocated(1, token_budget=64, max_batch=1, step_policy="alternate",
                                       prefill_max_requests=1), flat_cost(), reqs).requests
     assert a.t_finish == P + 2 * D and b.t_first == a.t_finish + P
 
 
 def test_pd_one_request_per_prefill_call():
-    reqs = [Request(0, 0.0, 8, 2), Request(1, 1.0, 8, 2), Request(2, 1.0, 8, 2)]
-    one = sim.simulate(sim.PDDisaggregated(1, 1, link_bw=1e12, prefill_max_requests=1), flat_cost(), reqs)
+    reqs = [SimRequest(0, 0.0, 8, 2), SimRequest(1, 1.0, 8, 2), SimRequest(2, 1.0, 8, 2)]
+    one = sim.simulate_serving(sim.PDDisaggregated(1, 1, link_bw=1e12, prefill_max_requests=1), flat_cost(), reqs)
     assert [r.t_first for r in one.requests] == [10.0, 20.0, 30.0]
-    batched = sim.simulate(sim.PDDisaggregated(1, 1, link_bw=1e12), flat_cost(), reqs)
+    batched = sim.simulate_serving(sim.PDDisaggregated(1, 1, link_bw=1e12), flat_cost(), reqs)
     assert [r.t_first for r in batched.requests] == [10.0, 30.0, 30.0]  # one step, two calls
 
 
@@ -89,7 +89,7 @@ def test_decode_loop_sees_queues_between_decode_steps():
     seen at 12, and the loop's own step [12, 13] goes first; prefill B [13, 23]; its first
     token at the end of the next decode step [23, 24]; the loop sees it at the end of
     [24, 25] (A's last token); B joins [25, 26]."""
-    reqs = [Request(0, 0.0, 8, 6), Request(1, 11.5, 8, 2)]
+    reqs = [SimRequest(0, 0.0, 8, 6), SimRequest(1, 11.5, 8, 2)]
     dep = sim.Colocated(1, token_budget=64, step_policy="alternate", prefill_max_requests=1, decode_loop=True)
     s = sim.Simulator(dep, flat_cost(), reqs)
     res = s.run()
@@ -98,16 +98,16 @@ def test_decode_loop_sees_queues_between_decode_steps():
     assert (b.t_prefill_start, b.t_first, b.t_finish) == (13.0, 24.0, 26.0)
     assert sorted(s.itl_v) == [1.0, 1.0, 1.0, 1.0, 2.0, 11.0]
     # the same without the loop: B's prefill starts when the step it arrived in ends
-    plain = sim.simulate(sim.Colocated(1, token_budget=64, step_policy="alternate", prefill_max_requests=1),
+    plain = sim.simulate_serving(sim.Colocated(1, token_budget=64, step_policy="alternate", prefill_max_requests=1),
                          flat_cost(), reqs).requests[1]
     assert (plain.t_prefill_start, plain.t_first) == (12.0, 22.0)
 
 
 def test_pd_decode_loop_places_arrivals_when_the_step_ends():
-    reqs = [Request(0, 0.0, 8, 4), Request(1, 10.5, 8, 2)]
+    reqs = [SimRequest(0, 0.0, 8, 4), SimRequest(1, 10.5, 8, 2)]
     for loop, start in ((True, 11.0), (False, 10.5)):
         dep = sim.PDDisaggregated(1, 1, link_bw=1e12, prefill_max_requests=1, decode_loop=loop)
-        a, b = sim.simulate(dep, flat_cost(), reqs).requests
+        a, b = sim.simulate_serving(dep, flat_cost(), reqs).requests
         assert a.t_finish == pytest.approx(13.0)                 # + a transfer of 3.2e-11 s
         assert b.t_handshake == pytest.approx(start) and b.t_first == pytest.approx(start + P)
     with pytest.raises(ValueError, match="num_decode=1"):
@@ -125,21 +125,21 @@ def test_handoff_overhead_of_a_decode_loop():
     cost = sim.FittedStepCost(prefill=lambda q, c: P, decode=dec, kv_bytes=1)
     assert cost.decode_overhead(2, 1) == 1.25 and flat_cost().decode_overhead(2, 1) == 0.0
     dep = sim.PDDisaggregated(1, 1, link_bw=1e15, prefill_max_requests=1)
-    a, b = sim.simulate(dep, cost, [Request(0, 0.0, 8, 13), Request(1, 0.0, 8, 2)]).requests
+    a, b = sim.simulate_serving(dep, cost, [SimRequest(0, 0.0, 8, 13), SimRequest(1, 0.0, 8, 2)]).requests
     assert (b.t_first, b.t_finish) == (pytest.approx(20.0), pytest.approx(22.0))
     assert a.t_finish == pytest.approx(10.0 + 1.5 + 10 * D + 0.5 + 1.25)
-    a, b = sim.simulate(dep, cost, [Request(0, 0.0, 8, 2), Request(1, 0.0, 8, 2)]).requests
+    a, b = sim.simulate_serving(dep, cost, [SimRequest(0, 0.0, 8, 2), SimRequest(1, 0.0, 8, 2)]).requests
     assert a.t_finish == pytest.approx(11.5) and b.t_finish == pytest.approx(21.5)
     # colocated (alternate): the loop's handoff work hides under a prefill step between
     dep = sim.Colocated(1, token_budget=64, step_policy="alternate", prefill_max_requests=1)
-    a, b = sim.simulate(dep, cost, [Request(0, 0.0, 8, 3), Request(1, 1.0, 8, 2)]).requests
+    a, b = sim.simulate_serving(dep, cost, [SimRequest(0, 0.0, 8, 3), SimRequest(1, 1.0, 8, 2)]).requests
     # prefill 0 [0, 10]; decode [10, 11.5] (0 joins from idle); prefill 1 [11.5, 21.5];
     # decode [21.5, 22.5] (1 joins after a prefill step: no overhead) ends both
     assert (a.t_finish, b.t_first, b.t_finish) == (22.5, 21.5, 22.5)
 
 
 def test_decode_jitter_scales_decode_steps_only_and_is_seeded():
-    reqs = [Request(0, 0.0, 8, 40), Request(1, 0.5, 8, 30)]
+    reqs = [SimRequest(0, 0.0, 8, 40), SimRequest(1, 0.5, 8, 30)]
     dep = sim.PDDisaggregated(1, 1, link_bw=1e15, prefill_max_requests=1)
     itl = lambda s: {round(v, 6) for v in s.itl_v}                          # noqa: E731 (+ ~1e-11 s transfers)
     base = sim.Simulator(dep, flat_cost(), reqs)
@@ -155,19 +155,19 @@ def test_decode_jitter_scales_decode_steps_only_and_is_seeded():
         runs.append(s.itl_v)
     assert runs[0] == runs[1] and {0.5, 1.0, 3.0} <= itl(s)
     col = sim.Colocated(1, token_budget=64, step_policy="alternate", prefill_max_requests=1)
-    r = sim.simulate(col, flat_cost(), reqs, decode_jitter=[2.0]).requests[0]
+    r = sim.simulate_serving(col, flat_cost(), reqs, decode_jitter=[2.0]).requests[0]
     assert r.t_first == P and r.t_finish > P + 2 * D * 39
     with pytest.raises(ValueError, match="decode_jitter"):
-        sim.simulate(dep, flat_cost(), reqs, decode_jitter=[1.0, 0.0])
+        sim.simulate_serving(dep, flat_cost(), reqs, decode_jitter=[1.0, 0.0])
 
 
 def test_pd_contention_slows_a_step_that_starts_beside_the_other_pool():
     """A (8 in, 13 out) prefills [0, 10] alone, decodes from 10; B arrives at 12.5: its
     prefill starts beside a decode step (x 2: [12.5, 32.5]); A's steps starting while it
     runs take 3 s (x 3): [13, 16], ..., [31, 34]; then 1 s again."""
-    reqs = [Request(0, 0.0, 8, 13), Request(1, 12.5, 8, 2)]
+    reqs = [SimRequest(0, 0.0, 8, 13), SimRequest(1, 12.5, 8, 2)]
     dep = sim.PDDisaggregated(1, 1, link_bw=1e15, prefill_max_requests=1, contention=(2.0, 3.0))
-    a, b = sim.simulate(dep, flat_cost(), reqs).requests
+    a, b = sim.simulate_serving(dep, flat_cost(), reqs).requests
     assert b.t_first == pytest.approx(12.5 + 2 * P)
     # A: steps end 11, 12, 13 (alone), then 7 steps of 3 s starting at 13..31 (B's prefill runs
     # until 32.5), then 1 s steps: 12 tokens after the first
@@ -187,13 +187,13 @@ def test_colocated_policy_errors(kw):
 
 
 def test_alternate_conserves_requests_under_load():
-    reqs = sim.generate(sim.WorkloadSpec(num_requests=200, rate=0.08, seed=1,
+    reqs = sim.sample_requests(sim.WorkloadSpec(num_requests=200, rate=0.08, seed=1,
                                          input={"kind": "list", "values": (8, 64)},
                                          output={"kind": "uniform", "low": 1, "high": 30}))
     for loop in (False, True):
         dep = sim.Colocated(1, token_budget=32, max_batch=4, step_policy="alternate", prefill_max_requests=1,
                             decode_loop=loop)
-        res = sim.simulate(dep, flat_cost(), reqs)
+        res = sim.simulate_serving(dep, flat_cost(), reqs)
         s = res.summary
         assert s["finished"] == 200 and not math.isnan(s["itl_p90"]) and s["ttft_p50"] >= P
         for r in res.requests:                               # a 64-token prompt: two 32-token calls

@@ -47,12 +47,12 @@ def test_controller_adds_prefill_when_prefill_is_the_bottleneck(cost):
     spec = sim.WorkloadSpec(num_requests=1500, rate=150.0, input=8192, output=16, seed=2)
     dep = sim.PDDisaggregated(1, 5, link_bw=32 * 50e9,
                               controller=sim.ControllerConfig(interval=0.5, cooldown=1.0))
-    res = sim.simulate(dep, cost, sim.generate(spec), slo=sim.SLO(2.0, 0.05))
+    res = sim.simulate_serving(dep, cost, sim.sample_requests(spec), slo=sim.SLO(2.0, 0.05))
     s = res.summary
     assert s["controller_moves"] >= 1
     assert s["instances_prefill"] > 1 and s["instances_prefill"] + s["instances_decode"] == 6
     assert any(a[1].startswith("drain decode") for a in res.actions)
-    static = sim.simulate(sim.PDDisaggregated(1, 5, link_bw=32 * 50e9), cost, sim.generate(spec),
+    static = sim.simulate_serving(sim.PDDisaggregated(1, 5, link_bw=32 * 50e9), cost, sim.sample_requests(spec),
                           slo=sim.SLO(2.0, 0.05)).summary
     assert s["ttft_p90"] < static["ttft_p90"]
 
@@ -61,33 +61,33 @@ def test_controller_holds_when_the_link_is_saturated(cost):
     spec = sim.WorkloadSpec(num_requests=800, rate=150.0, input=8192, output=16, seed=2)
     bw = 32 * 0.05e9       # handoff far slower than the prefill: the link is the bottleneck
     dep = sim.PDDisaggregated(1, 5, link_bw=bw, controller=sim.ControllerConfig(interval=0.5, cooldown=1.0))
-    res = sim.simulate(dep, cost, sim.generate(spec))
+    res = sim.simulate_serving(dep, cost, sim.sample_requests(spec))
     assert res.summary["controller_holds"] >= 1
     assert any("gains exhausted" in a[2] for a in res.actions)
 
 
 def test_length_buckets_route_to_their_instances(cost):
-    reqs = [sim.Request(0, 0.0, 1000, 4), sim.Request(1, 0.0, 20_000, 4), sim.Request(2, 0.0, 70_000, 4),
-            sim.Request(3, 0.0, 300_000, 4)]
+    reqs = [sim.SimRequest(0, 0.0, 1000, 4), sim.SimRequest(1, 0.0, 20_000, 4), sim.SimRequest(2, 0.0, 70_000, 4),
+            sim.SimRequest(3, 0.0, 300_000, 4)]
     dep = sim.PDDisaggregated(4, 1, link_bw=32 * 50e9, bucket_instances=[[0], [1], [2], [3]])
-    res = sim.simulate(dep, cost, reqs)
+    res = sim.simulate_serving(dep, cost, reqs)
     assert [r.prefill_inst.iid for r in res.requests] == [0, 1, 2, 3]
 
 
 def test_dp_ranks_balance_by_predicted_cost(cost):
     # one long and three short prompts on 2 ranks: the long one gets a rank to itself
-    reqs = [sim.Request(0, 0.0, 30_000, 2)] + [sim.Request(i, 0.0, 1000, 2) for i in (1, 2, 3)]
+    reqs = [sim.SimRequest(0, 0.0, 30_000, 2)] + [sim.SimRequest(i, 0.0, 1000, 2) for i in (1, 2, 3)]
     dep = sim.PDDisaggregated(1, 1, link_bw=32 * 50e9, dp_ranks=2, token_budget=65536)
-    res = sim.simulate(dep, cost, reqs)
+    res = sim.simulate_serving(dep, cost, reqs)
     ranks = [r.prank for r in res.requests]
     assert ranks[0] != ranks[1] and ranks[1] == ranks[2] == ranks[3]
 
 
 def test_time_budget_steps_fit_the_budget(cost):
     budget = 0.05
-    reqs = [sim.Request(0, 0.0, 60_000, 2)]
+    reqs = [sim.SimRequest(0, 0.0, 60_000, 2)]
     dep = sim.PDDisaggregated(1, 1, link_bw=32 * 50e9, time_budget=budget, token_budget=1 << 20)
-    res = sim.simulate(dep, cost, reqs)
+    res = sim.simulate_serving(dep, cost, reqs)
     p = res.requests[0].prefill_inst
     assert p.steps > 1
     assert p.busy_time <= p.steps * budget + 1e-12          # every step fits the budget

@@ -38,7 +38,7 @@ def test_length_distributions():
 def test_multi_turn_sessions_extend_their_context_and_share_system_prompts():
     spec = sim.WorkloadSpec(num_requests=400, rate=5.0, input=100, output=30, system_prompts=3,
                             system_prompt_len=500, turns=4, think_time=2.0, seed=2)
-    reqs = sim.generate(spec)
+    reqs = sim.sample_requests(spec)
     assert len(reqs) == 400 and [r.rid for r in reqs] == list(range(400))
     assert all(a.arrival <= b.arrival for a, b in zip(reqs, reqs[1:]))
     by_session = {}
@@ -61,10 +61,10 @@ def test_multi_turn_prefix_cache_hits_what_the_previous_turn_wrote():
     # rounded down to full blocks
     spec = sim.WorkloadSpec(num_requests=2, rate=1e-3, input=1000, output=50, turns=2,
                             think_time=1e4, seed=0)
-    reqs = sim.generate(spec)
+    reqs = sim.sample_requests(spec)
     assert reqs[1].session_id == reqs[0].session_id
     bs = 64
-    res = sim.simulate(sim.Colocated(1), cost, reqs, prefix_cache=sim.PrefixCache(1000, bs))
+    res = sim.simulate_serving(sim.Colocated(1), cost, reqs, prefix_cache=sim.PrefixCache(1000, bs))
     r0, r1 = res.requests
     assert r0.cached == 0
     assert r1.cached == (1000 + 50) // bs * bs
@@ -139,7 +139,7 @@ def test_bad_deployments_and_cost_models():
     with pytest.raises(ValueError, match="microbatches"):
         sim.AFDisaggregated(1, 1, link_bw=1e9, microbatches=0)
     with pytest.raises(TypeError, match="lacks"):
-        sim.simulate(sim.Colocated(1), object(), [])
+        sim.simulate_serving(sim.Colocated(1), object(), [])
     with pytest.raises(ValueError, match="horizon"):
-        sim.simulate(sim.Colocated(1), sim.LinearStepCost.from_roofline(
+        sim.simulate_serving(sim.Colocated(1), sim.LinearStepCost.from_roofline(
             pdjax.configs.tiny(), "h100"), [], horizon=-1)
