@@ -26,12 +26,12 @@ cores), later runs mostly measure.
 In one process XLA:CPU runs one op on every core (the benchmark prints how much faster two
 devices run at once than one alone: about 1.0x on this backend;
 ``--xla_cpu_multi_thread_eigen=false`` does not change that on jax 0.10), so isolated op
-times are faster than the same ops with the other ranks running. ``--processes`` runs each
-rank in a process of its own pinned to one core (:class:`pdjax.pipeline.RankProcesses`): a
-rank per core, as a rank per GPU. Measured on the 2-core machine, quiet, ``--ranks 2
---processes --scale 3 --repeats 5``: median |error| 5.0 % (1F1B -2.1 %, ZB1P -5.7 %,
-DualPipe -8.0 %, DualPipeV -4.3 %), contention 1.06; at ``--scale 1`` (2 ms ops, 1-1.6 ms
-dispatch) 8.3 %; at 4 ranks on the 2 cores 41 % (two ranks per core: contention 1.5).
+times are faster than the same ops with the other ranks running. ``--cluster`` runs each
+rank in a process of a ``jax.distributed`` launch pinned to one core (``pdjax launch
+--pin-cores``), the multi-controller executor: a rank per core, as a rank per GPU (values
+between the CPU ranks through shared memory). Measured on the 2-core machine, quiet,
+``--ranks 2 --cluster --scale 3 --repeats 5``: median |error| 5.1 % (1F1B -4.5 %, ZB1P
+-5.0 %, DualPipe -8.6 %, DualPipeV -5.3 %), contention 1.03 (docs/pipeline.md).
 (b) also reports the simulation fed with the op times as they ran.
 """
 
@@ -158,7 +158,7 @@ def run_ranks(ranks: int, schedules, args) -> list:
         row = measure_schedule(name, cfg, num_ranks=ranks, num_microbatches=m,
                                batch_shape=(m * args.rows * args.scale, args.seq_len * args.scale),
                                params=params, repeats=args.repeats, op_repeats=args.op_repeats,
-                               processes=args.processes)
+                               cluster=args.cluster)
         print(f"  {name} at {ranks} ranks: {time.perf_counter() - t0:.1f} s (compile, warm-up, "
               f"{args.op_repeats} isolated + {args.repeats} measured steps)", flush=True)
         rows.append(row)
@@ -177,9 +177,9 @@ def parse_args():
     ap.add_argument("--scale", type=int, default=1, help="multiplies model widths, rows and seq-len")
     ap.add_argument("--repeats", type=int, default=3, help="measured steps (median makespan kept)")
     ap.add_argument("--op-repeats", type=int, default=3, help="isolated runs per op (medians)")
-    ap.add_argument("--processes", action="store_true",
-                    help="one process per rank, each pinned to its own core (pdjax.pipeline.RankProcesses); "
-                         "values cross ranks over jax.experimental.transfer")
+    ap.add_argument("--cluster", action="store_true",
+                    help="one process per rank in a jax.distributed launch (pdjax.cluster.launch), each pinned "
+                         "to its own core, running the multi-controller executor")
     ap.add_argument("--quick", action="store_true",
                     help="smallest settings: cores ranks only, 1f1b and dualpipe, 1 repeat each")
     args = ap.parse_args()
@@ -196,7 +196,7 @@ def main() -> None:
     schedules = [s for s in args.schedules.split(",") if s]
     print(f"{jax.device_count()} {jax.default_backend()} devices on {cores} cores; ranks {args.ranks}; "
           f"tiny preset x{args.scale}, {args.rows * args.scale} x {args.seq_len * args.scale} tokens per "
-          f"micro-batch; " + ("one process per rank, pinned to a core each" if args.processes else "one process, a thread per rank"))
+          f"micro-batch; " + ("one process per rank, pinned to a core each" if args.cluster else "one process, a thread per rank"))
     by_ranks = {}
     for ranks in args.ranks:
         by_ranks[ranks] = run_ranks(ranks, schedules, args)
@@ -206,7 +206,7 @@ def main() -> None:
     print("\n(b) measured makespan of the overlapped run vs simulate() fed with (a)")
     print(text_table(rows))
     print(error_table(by_ranks, cores))
-    if args.processes:
+    if args.cluster:
         print(f"Each rank is a process pinned to core (rank mod {cores}) with one CPU device: with ranks <= cores "
               "no two ranks share a core, so an op's isolated time is its time in the run (contention ~1) and "
               "the simulation predicts the makespan; with more ranks than cores two ranks share a core "
@@ -216,7 +216,7 @@ def main() -> None:
         print(f"The simulated devices share {cores} cores, and XLA:CPU runs one op on all of them: two devices "
               f"running at once go {core_sharing(jax.devices()):.2f}x as fast as one alone (2.0 would be a core "
               "each). So an op measured alone gets every core and ops of concurrent ranks slow each other "
-              "(contention); a GPU per rank would not (nor --processes: a rank per core). The in-run column "
+              "(contention); a GPU per rank would not (nor --cluster: a rank per core). The in-run column "
               "feeds the simulator the op times as they ran: what is left is the schedule model's own error. "
               "With more ranks than cores |error| grows.")
     print("\n(c) dispatch overhead per op (time a compiled call takes to return)")

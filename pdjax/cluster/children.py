@@ -24,12 +24,16 @@ from typing import Optional
 # rather than a Popen ``preexec_fn``: that runs Python in a fork of a threaded parent (jax's
 # threads), which can deadlock before the exec.
 ORPHAN_PIPE_ENV = "PDJAX_ORPHAN_PIPE"   # "1": this process's stdin is its supervisor's orphan pipe
+PIN_CORES_ENV = "PDJAX_PIN_CORES"       # read (and removed) by the wrapper: the cores the command runs on
 
 DIE_WITH_PARENT = """import ctypes, os, signal, sys
 if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
     sys.exit(f"pdjax: prctl(PR_SET_PDEATHSIG) failed: {os.strerror(ctypes.get_errno())}")
 if os.getppid() != int(sys.argv[1]):                 # the parent died before prctl ran
     os.kill(os.getpid(), signal.SIGKILL)
+cores = os.environ.pop("PDJAX_PIN_CORES", "")        # before the exec: every thread inherits it
+if cores:
+    os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
 try:
     os.execv(sys.argv[2], sys.argv[3:])
 except OSError as e:

@@ -31,9 +31,10 @@ import threading
 from typing import Optional, Sequence
 
 from pdjax.arguments import check_int, check_positive
+from pdjax.cluster.children import PIN_CORES_ENV
 from pdjax.cluster.supervisor import PLATFORMS, LaunchError, Supervisor, device_environ, free_port
 
-__all__ = ["LaunchError", "Interrupted", "build_parser", "check_command", "child_environ", "free_port", "launch",
+__all__ = ["LaunchError", "Interrupted", "available_cores", "build_parser", "check_command", "child_environ", "free_port", "launch",
            "main"]
 
 
@@ -78,17 +79,23 @@ def _check_options(argv, num_processes, devices_per_process, timeout_s, platform
 
 def launch(argv: Sequence[str], num_processes: int, devices_per_process: int = 1, *,
            timeout_s: Optional[float] = None, env: Optional[dict] = None, platform: str = "cpu",
-           stream=sys.stdout, tail_lines: int = 20, poll_s: float = 0.05) -> list[int]:
+           stream=sys.stdout, tail_lines: int = 20, poll_s: float = 0.05, pin_cores=False) -> list[int]:
     """Run ``argv`` as ``num_processes`` processes of one cluster (see the module docstring);
     returns their exit codes (all 0) or raises :class:`LaunchError` (a command that cannot
     be run too). ``stream``: where the prefixed output goes (None: nowhere); ``platform``:
     "cpu" (simulated devices) or the machine's (one of :data:`PLATFORMS`, e.g. "gpu").
+    ``pin_cores``: True pins process i to the i-th core this process may run on (cycling when
+    there are more processes; one rank per core, as one rank per GPU), or a list of core ids
+    to take in turn; Linux only, set before the command starts (its threads inherit it).
     Bad arguments raise ValueError before anything starts. Each process is SIGKILLed by
     Linux if this process dies, however it ends (call from the main thread)."""
     n = _check_options(argv, num_processes, devices_per_process, timeout_s, platform, tail_lines, poll_s,
                        ("num_processes", "devices_per_process", "timeout_s", "platform"))
+    cores = _cores(pin_cores)
     coordinator = f"127.0.0.1:{free_port()}"
     envs = [child_environ(i, n, coordinator, devices_per_process, platform, env) for i in range(n)]
+    for i, e in enumerate(envs if cores else ()):
+        e[PIN_CORES_ENV] = str(cores[i % len(cores)])
     check_command(os.fspath(argv[0]) if isinstance(argv[0], os.PathLike) else str(argv[0]), envs[0])
     with Supervisor(stream=stream, tail_lines=tail_lines) as procs:
         for i in range(n):
@@ -96,10 +103,33 @@ def launch(argv: Sequence[str], num_processes: int, devices_per_process: int = 1
         return procs.wait_all(timeout_s, poll_s)
 
 
+def available_cores() -> list[int]:
+    """The CPU cores this process may run on (all of them where the OS cannot say)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def _cores(pin_cores) -> list[int]:
+    """``launch``'s ``pin_cores`` as the list of cores to take in turn ([] for False)."""
+    if pin_cores is False:
+        return []
+    if not (sys.platform.startswith("linux") and hasattr(os, "sched_setaffinity")):
+        raise ValueError("pin_cores needs Linux (sched_setaffinity)")
+    if pin_cores is True:
+        return available_cores()
+    if isinstance(pin_cores, (str, bytes)) or not hasattr(pin_cores, "__iter__"):
+        raise ValueError(f"pin_cores must be True, False or a list of core ids, got {pin_cores!r}")
+    cores = [check_int("pin_cores entry", c, 0) for c in pin_cores]
+    if not cores or not set(cores) <= set(available_cores()):
+        raise ValueError(f"pin_cores must name cores this process may run on ({available_cores()}), got {cores}")
+    return cores
+
+
 # ---- pdjax launch ----------------------------------------------------------------------------
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 USAGE = ("pdjax launch --num-processes N [--devices-per-process D] [--timeout SECONDS] [--platform P] "
-         "-- command ...")
+         "[--pin-cores] -- command ...")
 
 
 class Interrupted(BaseException):
@@ -146,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fail the launch (and kill every process) past this many seconds (> 0)")
     p.add_argument("--platform", default="cpu", choices=PLATFORMS,
                    help="cpu (simulated devices) or the machine's, e.g. gpu (default cpu)")
+    p.add_argument("--pin-cores", action="store_true",
+                   help="pin process i to the i-th core this launcher may run on (a rank per core; Linux)")
     return p
 
 
@@ -165,12 +197,13 @@ def main(argv=None) -> int:
     try:
         _check_options(command, args.num_processes, args.devices_per_process, args.timeout, args.platform, 20, 0.05,
                        ("--num-processes", "--devices-per-process", "--timeout", "--platform"))
+        _cores(args.pin_cores)
     except ValueError as e:
         parser.error(str(e))
     try:
         with stop_on_signals():
             launch(command, args.num_processes, args.devices_per_process, timeout_s=args.timeout,
-                   platform=args.platform)
+                   platform=args.platform, pin_cores=args.pin_cores)
     except (Interrupted, KeyboardInterrupt) as e:
         signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
         print(f"pdjax launch: stopped by {signal.Signals(signum).name}; every process of the launch was killed",

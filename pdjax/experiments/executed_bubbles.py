@@ -3,13 +3,12 @@
 For every schedule of the config, :func:`pdjax.pipeline.executed.measure_schedule` runs the
 model's training step with the :class:`pdjax.pipeline.Executor` (a measured timeline per
 rank), times every op in isolation and simulates the schedule with those times and the
-executor's byte model. ``[run] processes = true`` (the default) runs each rank in a process
-of its own pinned to one CPU core (:class:`pdjax.pipeline.RankProcesses`), so ranks do not
-share cores while there are at least as many cores as ranks (more ranks take the cores in
-turn and share them; the report says which); ``false`` runs every rank as a thread of this
-process (on accelerators, where a rank is a device); ``cluster = true`` runs each rank in a
-process of a ``jax.distributed`` launch with the multi-controller executor (the way ranks on
-several hosts run). The run directory gets ``<schedule>.png`` / ``.svg`` (measured over
+executor's byte model. ``[run] cluster = true`` (the default) runs each rank in a process of
+a ``jax.distributed`` launch (:func:`pdjax.cluster.launch`), pinned to one CPU core
+(``pin_cores``), with the multi-controller executor (the way ranks on several hosts run), so
+ranks do not share cores while there are at least as many cores as ranks (more ranks take
+the cores in turn and share them; the report says which); ``false`` runs every rank as a
+thread of this process (on accelerators, where a rank is a device). The run directory gets ``<schedule>.png`` / ``.svg`` (measured over
 simulated Gantt chart, one time axis), ``executed_bubbles.csv`` (one row per schedule),
 ``executed_bubbles.json`` (the rows with every step's makespan and the per-op costs) and
 ``report.md``. Times are measured (``wall_clock``); the shapes and the measured and
@@ -49,8 +48,7 @@ class Run:
     microbatches: int = knob(8, minimum=1)
     repeats: int = knob(3, minimum=1)        # measured steps; the median makespan is reported
     op_repeats: int = knob(3, minimum=1)     # isolated runs of every op (medians)
-    processes: bool = True                   # a process per rank pinned to a core; false: threads
-    cluster: bool = False                    # a jax.distributed launch, a process per rank (wins over processes)
+    cluster: bool = True                     # a process per rank (jax.distributed), pinned to a core; false: threads
 
     def __post_init__(self):
         for name in self.schedules:         # the generators' own size checks, before anything runs
@@ -83,7 +81,7 @@ class Config(Header):
     batch: Batch = table(Batch)
 
     def devices_needed(self) -> int:
-        return 0 if self.run.processes else self.run.ranks
+        return 0 if self.run.cluster else self.run.ranks
 
 
 def model_config(model: Model, scale: int):
@@ -142,10 +140,9 @@ def placement(r: Run, cores: int) -> str:
     """Where the ranks of ``r`` run on a host of ``cores`` cores, as it happens: the rank
     processes take the cores in turn (rank i on core i mod cores), so more ranks than cores
     share them."""
-    if not (r.cluster or r.processes):
+    if not r.cluster:
         return "every rank a thread of one process, sharing the host's cores"
-    what = ("a process of a jax.distributed launch (pdjax.cluster.launch), the executor multi-controller"
-            if r.cluster else "a process of its own")
+    what = "a process of a jax.distributed launch (pdjax.cluster.launch), the executor multi-controller"
     if r.ranks <= cores:
         return f"each rank {what}, pinned to a core of its own ({r.ranks} ranks on {cores} cores)"
     return (f"{r.ranks} ranks on {cores} cores, shared: each rank {what}, pinned to core (rank mod {cores}), "
@@ -159,7 +156,7 @@ def _measure(c: Config, mcfg, tokens, params) -> list:
     for name in progress.track(c.run.schedules, "executed_bubbles: schedules (compile, time, simulate)"):
         row = measure_schedule(name, mcfg, num_ranks=c.run.ranks, num_microbatches=c.run.microbatches,
                                params=params, tokens=tokens, repeats=c.run.repeats, op_repeats=c.run.op_repeats,
-                               processes=c.run.processes, cluster=c.run.cluster)
+                               cluster=c.run.cluster)
         rows.append(row)
         progress.note(f"{name}: measured {row.measured_makespan_ms:.1f} ms, simulated "
                       f"{row.simulated_makespan_ms:.1f} ms ({100 * row.makespan_error:+.1f}%)")
@@ -181,7 +178,7 @@ def run(c: Config, out_dir: str) -> Result:
     dicts = [r.as_dict() for r in rows]
     setup = {"backend": jax.default_backend(), "model": dataclasses.asdict(c.model), "scale": c.scale,
              "hidden_size": mcfg.hidden_size, "batch": list(shape), "rows_per_microbatch": c.batch.rows * c.scale,
-             "processes": c.run.processes, "cluster": c.run.cluster}
+             "cluster": c.run.cluster}
     plots = {r.schedule: f"{r.schedule}.png" for r in rows}
     where = placement(c.run, host_cores())
     with open(os.path.join(out_dir, "executed_bubbles.json"), "w") as f:
@@ -189,7 +186,7 @@ def run(c: Config, out_dir: str) -> Result:
                    jax.devices()[:c.run.ranks]]}, "rows": dicts, "plots": plots}, f, indent=2, default=str)
     about = (f"Model {c.model.preset} x{c.scale} (hidden {mcfg.hidden_size}, {c.model.layers} layers), batch "
              f"{shape[0]} x {shape[1]} tokens ({c.batch.rows * c.scale} rows per micro-batch), one "
-             f"{'cpu' if c.run.processes or c.run.cluster else setup['backend']} device per rank; {where}.")
+             f"{'cpu' if c.run.cluster else setup['backend']} device per rank; {where}.")
     body = (f"{about}\n\n{report_table(rows)}\n{MEASURED_NOTE} Per-op costs (ms) and every step's makespan: "
             "[executed_bubbles.json](executed_bubbles.json).")
     return Result("Executed pipeline schedules: measured vs simulated bubbles", headline(rows),

@@ -324,7 +324,7 @@ def _stall(c: Config, out_dir: str, data: dict, timed: dict) -> list[str]:
 def executed_pipeline_section(c: Config, out_dir: str) -> Section:
     """The executed_bubbles experiment, shortened: schedules run as training steps of a
     2-layer model of the quick start's preset, measured vs simulated with isolated op times.
-    Each rank is a process of its own (``[run] processes``, executed_bubbles' default) on
+    Each rank is a process of its own (``[run] cluster``, executed_bubbles' default) on
     the host's cores, so it needs no jax device per rank: it runs at any ``ranks``, and the
     report says how the ranks share the cores."""
     e, sub_cfg = c.executed, c.executed_config()

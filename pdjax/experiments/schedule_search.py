@@ -64,7 +64,7 @@ class Execute:
     seq_len: int = knob(32, minimum=2)
     repeats: int = knob(3, minimum=1)
     op_repeats: int = knob(3, minimum=1)
-    processes: bool = knob(True)
+    cluster: bool = knob(True)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -85,7 +85,7 @@ class Config(Header):
 
     def devices_needed(self) -> int:
         e = self.execute
-        return e.ranks if e.enabled and not e.processes else 0
+        return e.ranks if e.enabled and not e.cluster else 0
 
 
 def _kind(label: str) -> str:
@@ -213,7 +213,7 @@ def _execute(c: Config) -> dict:
     tokens = np.random.default_rng(1).integers(0, mcfg.vocab_size, (e.microbatches * e.rows, e.seq_len),
                                                dtype=np.int32)
     row = measure_schedule(res.schedule, mcfg, params=params, tokens=tokens, repeats=e.repeats,
-                           op_repeats=e.op_repeats, processes=e.processes)
+                           op_repeats=e.op_repeats, cluster=e.cluster)
     return {"label": res.label, "ranks": e.ranks, "microbatches": e.microbatches,
             "search_makespan": res.makespan, "search_bubble_ratio": res.timeline.bubble_ratio,
             "measured_makespan_ms": row.measured_makespan_ms, "simulated_makespan_ms": row.simulated_makespan_ms,

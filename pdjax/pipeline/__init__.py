@@ -1,6 +1,6 @@
 """Pipeline parallelism on devices: a schedule of :mod:`pdjax.schedules` run as real
 training steps of the pdjax model, one stage program per (rank, stage), ranks on devices
-(or processes), with measured timelines and memory.
+(or processes of a ``jax.distributed`` launch), with measured timelines and memory.
 
     ex = Executor(build("dualpipe", 4, 8), cfg, devices=jax.devices()[:4])
     loss, grads = ex.step(params, tokens)
@@ -17,12 +17,11 @@ from pdjax.schedules import (DeadlockError, Layout, Schedule, ScheduleError, Sea
 
 from .executed import measure_schedule
 from .executor import Executor
-from .processes import RankProcesses
 from .stages import next_token_loss, split_layers
 from .training import TrainState, train
 
 __all__ = [
-    "DeadlockError", "Executor", "Layout", "RankProcesses", "Schedule", "ScheduleError", "SearchResult",
+    "DeadlockError", "Executor", "Layout", "Schedule", "ScheduleError", "SearchResult",
     "Timeline", "TrainState", "bubble_formula", "build", "compare", "format_report", "formula_conditions",
     "lower_bound", "measure_schedule", "memory_table", "next_token_loss", "plot", "search", "simulate",
     "split_layers", "stage_costs", "train", "validate",

@@ -58,9 +58,9 @@ class ExecutedRow:
     time over the isolated ops' (how much slower ops ran with the other ranks running). ``step_makespans_ms``: every measured step's makespan;
     ``measured`` is the median one's timeline, ``simulated`` the simulation's.
     ``mode``: "threads" (one process, a host thread per rank: :class:`Executor`) or
-    "processes" (a process per rank on its own core: :class:`RankProcesses`); ``comm_ms``:
-    the cross-rank latency the simulation used (measured in "processes" mode, 0 in one
-    process, where a device-to-device copy is part of the consumer's wait).
+    "cluster" (a process per rank on its own core, the multi-controller executor of a
+    ``jax.distributed`` launch); ``comm_ms``: the cross-rank latency the simulation used (0:
+    a value's time in flight shows as the consumer's wait before its op).
     ``costs``: the per-stage op costs the simulation used (``F, B, I, W, FB, FI``, lists).
     """
 
@@ -105,8 +105,8 @@ class ExecutedRow:
 
 def measure_schedule(name, cfg, *, num_ranks: int = 2, num_microbatches: int = 8,
                      batch_shape=(16, 32), params=None, tokens=None, devices=None, repeats: int = 3,
-                     op_repeats: int = 3, seed: int = 0, layers_per_stage=None, processes: bool = False,
-                     cores=None, cluster: bool = False) -> ExecutedRow:
+                     op_repeats: int = 3, seed: int = 0, layers_per_stage=None, cluster: bool = False,
+                     cores=None) -> ExecutedRow:
     """Build, compile and measure schedule ``name`` of model ``cfg`` (see the module docstring).
     ``name`` may also be a :class:`~pdjax.pipeline.Schedule` (e.g. from ``search``); then
     ``num_ranks`` and ``num_microbatches`` are the schedule's.
@@ -116,10 +116,10 @@ def measure_schedule(name, cfg, *, num_ranks: int = 2, num_microbatches: int = 8
     (default: ``pdjax.init_params(cfg, key(seed))``). ``devices``: default the first
     ``num_ranks`` devices, one per rank. ``repeats``: measured steps (the median makespan is
     kept; the lower middle one for an even count); ``op_repeats``: isolated runs of every op
-    (medians). ``processes``: one process per rank, pinned to ``cores`` (default: one core
-    each, :class:`pdjax.pipeline.RankProcesses`), instead of one thread per rank here.
-    ``cluster``: one process per rank in a ``jax.distributed`` launch, each running the
-    multi-controller executor (:mod:`pdjax.pipeline.executed_cluster`; ``cores`` as above)."""
+    (medians). ``cluster``: one process per rank in a ``jax.distributed`` launch, each
+    pinned to a core of its own (``cores``, taken in turn; default the available cores) and
+    running the multi-controller executor (:mod:`pdjax.pipeline.executed_cluster`), instead
+    of one thread per rank here."""
     import jax
 
     from pdjax.model.transformer import init_params
@@ -139,11 +139,6 @@ def measure_schedule(name, cfg, *, num_ranks: int = 2, num_microbatches: int = 8
         return measure_in_cluster(schedule, cfg, params, tokens, repeats=check_int("repeats", repeats),
                                   op_repeats=check_int("op_repeats", op_repeats), layers_per_stage=layers_per_stage,
                                   cores=cores)
-    if processes:
-        from pdjax.pipeline.processes import RankProcesses
-
-        with RankProcesses(schedule, cfg, params=params, layers_per_stage=layers_per_stage, cores=cores) as rp:
-            return measure_processes(rp, tokens, repeats=repeats, op_repeats=op_repeats)
     if devices is None:
         devices = jax.devices()[:num_ranks]
     ex = Executor(schedule, cfg, devices=devices, layers_per_stage=layers_per_stage, measure=True)
@@ -153,8 +148,8 @@ def measure_schedule(name, cfg, *, num_ranks: int = 2, num_microbatches: int = 8
 def measure_in_cluster(schedule, cfg, params, tokens, *, repeats: int, op_repeats: int, layers_per_stage=None,
                        cores=None, timeout_s: float = 900.0, stream=None):
     """The :class:`ExecutedRow` of ``schedule`` measured with one process per rank of a
-    ``jax.distributed`` launch (:func:`pdjax.cluster.launch`), each pinned to its core
-    (``cores``; default the available cores in turn) and running the multi-controller
+    ``jax.distributed`` launch (:func:`pdjax.cluster.launch` with ``pin_cores``), each pinned
+    to its core (``cores``; default the available cores in turn) and running the multi-controller
     executor (:mod:`pdjax.pipeline.executed_cluster`). Ops are timed in isolation under a
     lock of the machine; values between ranks cross with the transfer server, their time in
     flight shows as idle time before the consuming op (the simulation gets ``comm = 0``)."""
@@ -166,20 +161,16 @@ def measure_in_cluster(schedule, cfg, params, tokens, *, repeats: int, op_repeat
     import jax
 
     from pdjax.cluster import launch
-    from pdjax.pipeline.processes import available_cores
 
     n = schedule.num_ranks
-    if cores is None:
-        avail = available_cores()
-        cores = [avail[r % len(avail)] for r in range(n)]
     with tempfile.TemporaryDirectory(prefix="pdjax-executed-") as tmp:
         spec, out = os.path.join(tmp, "spec.pkl"), os.path.join(tmp, "row.pkl")
         with open(spec, "wb") as f:
             pickle.dump(dict(schedule=schedule, cfg=cfg, params=jax.tree.map(np.asarray, params),
                              tokens=np.asarray(tokens), repeats=repeats, op_repeats=op_repeats,
-                             layers_per_stage=layers_per_stage, cores=[int(c) for c in cores]), f)
+                             layers_per_stage=layers_per_stage), f)
         launch([sys.executable, "-m", "pdjax.pipeline.executed_cluster", spec, out], n, 1, timeout_s=timeout_s,
-               stream=stream)
+               stream=stream, pin_cores=True if cores is None else list(cores))
         with open(out, "rb") as f:
             return pickle.load(f)
 
@@ -199,24 +190,6 @@ def measure_executor(ex, params, tokens, *, repeats: int = 3, op_repeats: int = 
         ex.step(params, tokens)
         return ex.last_timeline, ex.last_memory, 0.0
     return _measured_row(ex.schedule, tokens.shape, step, repeats, op_costs, ex.stage_memory)
-
-
-def measure_processes(rp, tokens, *, repeats: int = 3, op_repeats: int = 3) -> ExecutedRow:
-    """:func:`measure_schedule` for a :class:`pdjax.pipeline.RankProcesses`: the simulation
-    also gets the measured link latency (``rp.comm_ms``, from the isolated runs)."""
-    repeats = check_int("repeats", repeats)
-    op_repeats = check_int("op_repeats", op_repeats)
-    tokens = rp.check_batch(tokens)
-    rp.compile(tokens.shape)
-    rp.step(tokens)                                           # warm-up: first dispatches, allocations
-    op_costs = rp.measure_ops(tokens, repeats=op_repeats)
-
-    def step():
-        rp.step(tokens)
-        links = [t["latency"] for t in rp.transfers]
-        return rp.last_timeline, rp.last_memory, float(np.median(links)) if links else 0.0
-    return _measured_row(rp.schedule, tokens.shape, step, repeats, op_costs, rp.stage_memory,
-                         comm_ms=rp.comm_ms, mode="processes")
 
 
 def _measured_row(schedule, shape, step, repeats: int, op_costs, stage_memory, *, comm_ms: float = 0.0,

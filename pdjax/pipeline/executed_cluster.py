@@ -1,12 +1,11 @@
 """The process of :func:`pdjax.pipeline.executed.measure_in_cluster` (``python -m
-pdjax.pipeline.executed_cluster SPEC OUT``, one per rank of a ``jax.distributed`` launch):
-pinned to its rank's CPU core, it joins the cluster, builds the multi-controller
+pdjax.pipeline.executed_cluster SPEC OUT``, one per rank of a ``jax.distributed`` launch,
+pinned to its rank's CPU core by the launch): it joins the cluster, builds the multi-controller
 :class:`~pdjax.pipeline.Executor` over every process's device (:mod:`pdjax.pipeline.spanning`)
 and measures the schedule; process 0 writes the row."""
 
 from __future__ import annotations
 
-import os
 import pickle
 import sys
 
@@ -14,8 +13,6 @@ import sys
 def _main(spec_path: str, out: str) -> None:
     with open(spec_path, "rb") as f:
         spec = pickle.load(f)
-    me = int(os.environ.get("PDJAX_PROCESS_ID", "0"))
-    os.sched_setaffinity(0, {spec["cores"][me]})     # before jax starts a thread: they all inherit it
     import dataclasses
 
     import jax

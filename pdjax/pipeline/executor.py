@@ -90,8 +90,7 @@ class Executor:
         self.devices_per_rank = k
         self.ranks = [Rank(r, devices[r * k:(r + 1) * k]) for r in range(n)]
         # the ranks whose programs this process compiles and runs (None: all). Ranks in other
-        # processes of a jax.distributed launch: :mod:`pdjax.pipeline.spanning` (a worker of
-        # :class:`pdjax.pipeline.RankProcesses` sets its one rank itself)
+        # processes of a jax.distributed launch: :mod:`pdjax.pipeline.spanning`
         self.local_ranks = spanning.local_ranks(self.ranks)
         self.spanning = None if self.local_ranks is None else spanning.Spanning(self, self.local_ranks)
         self.chunks = st.split_layers(cfg.num_hidden_layers, num_chunks, layers_per_stage)
@@ -352,7 +351,7 @@ class Executor:
         if self.spanning is None:
             return StepRun(self, info, staged, mbs, isolated)
         run = StepRun(self, info, staged, mbs, isolated, ranks=sorted(self.local_ranks))
-        run.remote = self.spanning.remote_for(run)
+        run.remote = self.spanning.link_for(run)
         return run
 
     # ---- measurement -----------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The runtime of one executed pipeline step (see :mod:`pdjax.pipeline.executor`): one host
-thread per rank, a mailbox of values in flight between ranks, per-micro-batch held values
-and their bytes, measured op times."""
+thread per rank, the stage links values cross ranks on (:mod:`pdjax.pipeline.links`),
+per-micro-batch held values and their bytes, measured op times."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pdjax.pipeline.links import Aborted, LocalLink
 from pdjax.schedules.ops import BACKWARD_INPUT, FORWARD, FULL_BACKWARD, OverlapFB
 from pdjax.schedules.simulate import measured_timeline
 
@@ -26,54 +27,16 @@ def _tree_bytes(tree) -> int:
     return sum(_nbytes(a) for a in jax.tree.leaves(tree))
 
 
-class Mailbox:
-    """Values in flight between rank threads, keyed by (kind, stage, micro-batch)."""
-
-    def __init__(self):
-        self._values: dict = {}
-        self._cond = threading.Condition()
-        self.failed: BaseException | None = None
-
-    def put(self, key, value):
-        with self._cond:
-            self._values[key] = value
-            self._cond.notify_all()
-
-    def take(self, key, timeout_s: float):
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while key not in self._values:
-                if self.failed is not None:
-                    raise _Aborted()
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"no value for {key} after {timeout_s:.0f} s")
-                self._cond.wait(min(left, 1.0))
-            return self._values.pop(key)
-
-    def fail(self, exc: BaseException):
-        with self._cond:
-            if self.failed is None:
-                self.failed = exc
-            self._cond.notify_all()
-
-
-class _Aborted(Exception):
-    """Another rank failed; this one stops."""
-
-
 class StepRun:
-    """The state of one executed step: per-rank threads, the mailbox, per-micro-batch held
+    """The state of one executed step: per-rank threads, the stage links, per-micro-batch held
     values and their bytes, the measured op times."""
 
-    def __init__(self, ex, info, staged, token_mbs, isolated=False, *, ranks=None, mail=None, remote=None):
+    def __init__(self, ex, info, staged, token_mbs, isolated=False, *, ranks=None, remote=None):
         """``isolated``: run one op at a time (True: a lock of this process; or any object with
         ``acquire``/``release``, e.g. a lock shared by processes). ``ranks``: the ranks this
-        process runs (default all); a value for a stage of another rank goes to ``remote``
-        (``remote.prepare(key, value)`` during the producing op: the hand-off is part of it;
-        ``remote.announce(handle)`` once the op's end is recorded) and arrives from there
-        through ``mail`` (a value with ``materialize()`` is fetched by the consumer's thread
-        when it needs it: the wait before its op)."""
+        process runs (default all); values between them cross a :class:`LocalLink`, values
+        to and from the ranks of other processes ``remote`` (a
+        :class:`~pdjax.pipeline.links.ProcessLink`, set before :meth:`drive`)."""
         self.ex, self.info, self.staged = ex, info, staged
         self.isolated = threading.Lock() if isolated is True else (isolated or None)
         sched = ex.schedule
@@ -81,8 +44,9 @@ class StepRun:
         self.ranks = tuple(range(sched.num_ranks)) if ranks is None else tuple(ranks)
         local = set(self.ranks)
         self.local_stage = [r in local for r in self.layout.stage_rank]
-        self.mail = Mailbox() if mail is None else mail
+        self.local = LocalLink(ex.timeout_s)
         self.remote = remote
+        self.failed: BaseException | None = None
         # token micro-batches, placed where their first and last stages need them
         self.tokens_in: dict = {}
         self.tokens_out: dict = {}
@@ -126,10 +90,16 @@ class StepRun:
         for t in threads:     # a rank stuck past the timeout (e.g. in a device wait) fails the step
             t.join(ex.timeout_s)
             if t.is_alive():
-                self.mail.fail(TimeoutError(f"{t.name} did not finish within {ex.timeout_s:.0f} s"))
+                self._fail(TimeoutError(f"{t.name} did not finish within {ex.timeout_s:.0f} s"))
                 break
-        if self.mail.failed is not None:
-            raise RuntimeError(f"pipeline step failed: {self.mail.failed}") from self.mail.failed
+        if self.failed is not None:
+            raise RuntimeError(f"pipeline step failed: {self.failed}") from self.failed
+
+    def _fail(self, exc: BaseException) -> None:
+        """The first failure of the step; every rank waiting on a link stops."""
+        if self.failed is None:
+            self.failed = exc
+        self.local.fail()
 
     def finish(self):
         """``(loss, per-stage grads)`` of a step whose ranks all ran here (its measurements
@@ -159,10 +129,10 @@ class StepRun:
                 self.ends[r][idx] = (t_end - self.t0) * 1e3
                 self.peak[r] = max(self.peak[r], live + alloc)
                 live += alloc - free
-        except _Aborted:
+        except Aborted:
             return
         except BaseException as exc:  # noqa: BLE001 - reported by go()
-            self.mail.fail(exc)
+            self._fail(exc)
         finally:
             if getattr(self._local, "holds", False):
                 self._local.holds = False
@@ -170,26 +140,24 @@ class StepRun:
 
     # ---- ops -------------------------------------------------------------------------------
     def _received(self, key):
-        """A value from another stage; when measuring, wait until it has landed (its transfer
-        shows as idle time before the op, not inside it). A value still to be read from
-        another process (``materialize()``) is read by the op (:meth:`_mark`); one with
-        ``fetch()`` (:mod:`pdjax.pipeline.spanning`) is pulled here."""
-        value = self.mail.take(key, self.ex.timeout_s)
-        if hasattr(value, "fetch"):       # a pull from another process of the launch
-            value = value.fetch()
-        if self.ex.measure and not hasattr(value, "materialize"):
+        """A value from another stage, from the link its producer is on; when measuring, wait
+        until it has landed (its transfer shows as idle time before the op, not inside it)."""
+        kind, stage, _ = key
+        src = self.layout.prev_stage[stage] if kind == "act" else self.layout.next_stage[stage]
+        link = self.local if self.local_stage[src] else self.remote
+        value = link.expect(key, lambda: self.failed is not None)
+        if self.ex.measure:
             jax.block_until_ready(value)
         return value
 
     def _mark(self, *args):
         """The op's inputs are here: it starts now (alone, when measuring ops in isolation).
-        Returns ``args`` with values from another process read onto the device: that read is
-        the op's first step (its clock runs), as a GPU kernel reads what a peer wrote."""
+        Returns ``args``."""
         if self.isolated is not None:
             self.isolated.acquire()
             self._local.holds = True
         self._local.start = time.perf_counter()
-        return tuple(a.materialize() if hasattr(a, "materialize") else a for a in args)
+        return args
 
     def _dispatched(self):
         """The op's program call has returned (dispatch done, the work may still run)."""
@@ -219,24 +187,19 @@ class StepRun:
         self._post(("grad", prv, m), gx, self.info[prv].gy.sharding if self.local_stage[prv] else None)
 
     def _post(self, key, value, sharding):
-        """Send ``value`` to the consumer's sharding. When measuring, the send waits until the
-        op's end has been recorded, so a consumer never starts before its producer ended."""
-        if sharding is None:          # a stage of another process
-            value = self.remote.prepare(key, value)
+        """Offer ``value`` on the consumer's link (``sharding``: the consumer's, None for a
+        stage of another process). When measuring, it is announced once the op's end has been
+        recorded, so a consumer never starts before its producer ended."""
+        link = self.remote if sharding is None else self.local
+        handle = link.offer(key, value, sharding)
         if self.ex.measure:
-            self._local.outbox.append((key, value, sharding))
+            self._local.outbox.append((link, handle))
         else:
-            self._deliver(key, value, sharding)
-
-    def _deliver(self, key, value, sharding):
-        if sharding is None:
-            self.remote.announce(value)
-        else:
-            self.mail.put(key, jax.device_put(value, sharding))
+            link.announce(handle)
 
     def _flush(self):
-        for key, value, sharding in self._local.outbox:
-            self._deliver(key, value, sharding)
+        for link, handle in self._local.outbox:
+            link.announce(handle)
         self._local.outbox = []
 
     def _forward_args(self, s, m):

@@ -3,13 +3,15 @@
 Multi-controller, as the rest of JAX: every process of the launch builds the same
 :class:`pdjax.pipeline.Executor` over the same global ``devices`` and calls ``step`` with the
 same params and batch; each process compiles and runs only its own ranks (a rank's devices
-are all in one process). A value for a stage of another process crosses with
-``jax.experimental.transfer``: the producer offers it under an id both sides derive from the
-step and the value's key, once its op's end is recorded, and says so in the cluster's
-key-value store (:mod:`pdjax.cluster.store`); the consumer's rank waits for that word when
-its op needs the value (idle time before the op, with the executor's ``timeout_s`` as its
-deadline), then pulls it. (A pull issued before the offer usually lands when the offer comes,
-but not always: measured, 1 step in 5 hung.)
+are all in one process). A value for a stage of another process crosses a
+:class:`~pdjax.pipeline.links.ProcessLink`: the producer offers it on its
+:class:`~pdjax.cluster.transfer.ArraySender` once its op's end is recorded and puts the
+descriptor in the cluster's key-value store (:mod:`pdjax.cluster.store`) under a name both
+sides derive from the step and the value's key; the consumer's rank waits for it when its op
+needs the value (idle time before the op, with the executor's ``timeout_s`` as its
+deadline), then pulls it with its :class:`~pdjax.cluster.transfer.ArrayReceiver` (a deadline
+and a layout check on every pull). (A pull issued before the offer usually lands when the
+offer comes, but not always: measured, 1 step in 5 hung; so the consumer waits for the word.)
 
 After the ranks' work, one jitted sum over a mesh of one device per process (a gloo/NCCL
 all-reduce) gives every process the loss and the gradients, replicated over that mesh
@@ -21,7 +23,6 @@ process reads the same monotonic clock, so their absolute times are used as they
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import secrets
@@ -34,11 +35,10 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from pdjax.cluster import store
-from pdjax.cluster.transfer import check_layout, layout, start_transfer_server
+from pdjax.cluster.transfer import SHM, ArrayReceiver, ArraySender, start_transfer_server
+from pdjax.pipeline.links import ProcessLink
 
-KIND_BITS = {"act": 0, "grad": 1}
 _ADDRESS_BYTES = 256
-_STAGE_BITS, _MB_BITS, _STEP_BITS = 8, 12, 16
 COMPILE_WAIT_S = 3600.0
 
 
@@ -79,12 +79,20 @@ class Spanning:
     def __init__(self, ex, local: set[int]):
         self.ex, self.local = ex, frozenset(local)
         devices = [d for r in ex.ranks if r.index in local for d in r.devices]
-        self.server = start_transfer_server(devices)
-        addresses = _strings_allgather(self.server.address())
         hosts = _strings_allgather(socket.gethostname())
         self.one_host = len(set(hosts)) == 1
+        # CPU processes of one host: shared memory (a transfer pull would take the producing
+        # rank's core); otherwise jax.experimental.transfer
+        self.transport = SHM if self.one_host and devices[0].platform == "cpu" else "transfer"
+        self.server = None if self.transport == SHM else start_transfer_server(devices)
+        addresses = _strings_allgather(SHM if self.server is None else self.server.address())
         me = jax.process_index()
-        self.connections = {p: self.server.connect(a) for p, a in enumerate(addresses) if p != me}
+        # in a launch's output (a failed launch's error quotes the failed process's last lines)
+        print(f"pdjax.pipeline: process {me} of {jax.process_count()} runs ranks "
+              f"{', '.join(map(str, sorted(local)))}", flush=True)
+        self.sender = ArraySender(self.server, ttl_s=ex.timeout_s, transport=self.transport)
+        self.receivers = {p: ArrayReceiver(a, server=self.server, timeout_s=ex.timeout_s)
+                          for p, a in enumerate(addresses) if p != me}
         nonce = np.array(secrets.randbits(24), np.int64)
         self.nonce = int(multihost_utils.broadcast_one_to_all(nonce))
         self.steps = 0
@@ -112,19 +120,33 @@ class Spanning:
             self._lock = MachineLock(os.path.join(tempfile.gettempdir(), f"pdjax-pipeline-ops-{self.nonce}.lock"))
         return self._lock
 
-    def uuid(self, key) -> int:
-        kind, stage, mb = key
-        if stage >> _STAGE_BITS or mb >> _MB_BITS:
-            raise ValueError(f"stage {stage} or micro-batch {mb} too large for a transfer id")
-        step = self.steps & ((1 << _STEP_BITS) - 1)
-        packed = (((step << 1 | KIND_BITS[kind]) << _STAGE_BITS | stage) << _MB_BITS) | mb
-        return (self.nonce << (_STEP_BITS + 1 + _STAGE_BITS + _MB_BITS)) | packed
+    def link_for(self, run) -> ProcessLink:
+        """The :class:`~pdjax.pipeline.links.ProcessLink` of a step's
+        :class:`~pdjax.pipeline.runtime.StepRun`: what this process's ranks send to the ranks
+        of other processes and receive from them, this step."""
+        ex = self.ex
+        lay = ex.schedule.layout
+        incoming = {}
+        for s in range(ex.schedule.num_stages):   # values this process's stages receive from others
+            if not run.local_stage[s]:
+                continue
+            info = run.info[s]
+            for kind, src, spec in (("act", lay.prev_stage[s], info.x), ("grad", lay.next_stage[s], info.gy)):
+                if src is None or run.local_stage[src] or (kind == "act" and info.chunk.first) or \
+                        (kind == "grad" and info.chunk.last):
+                    continue
+                proc = ex.ranks[lay.stage_rank[src]].devices[0].process_index
+                wire = ex.ranks[lay.stage_rank[s]].batch(len(spec.shape))
+                for m in _microbatches(lay, s):
+                    incoming[(kind, s, m)] = (proc, wire, spec.sharding)
 
-    def remote_for(self, run):
-        """The ``remote`` of a step's :class:`~pdjax.pipeline.runtime.StepRun`: offers what
-        this process's ranks send to others, and puts a pull for each value they receive
-        from another process in the run's mailbox."""
-        return _StepLinks(self, run)
+        def outgoing_sharding(key, ndim):
+            """The producer's rank, the batch split as the consumer's rank splits it."""
+            kind, stage, _ = key
+            src = lay.prev_stage[stage] if kind == "act" else lay.next_stage[stage]
+            return ex.ranks[lay.stage_rank[src]].batch(ndim)
+        return ProcessLink(self.sender, self.receivers, f"pdjax/pipeline/{self.nonce}/{self.steps}/values",
+                           incoming, outgoing_sharding, ex.timeout_s)
 
     def run(self, run):
         """Run this process's ranks of a step (``run``: a StepRun of them). Returns this
@@ -203,72 +225,8 @@ class Spanning:
                             for k in run.stage_memory}
 
 
-def _offered(uuid: int) -> str:
-    return f"pdjax/pipeline/offered/{uuid}"
-
-
-class _Pull:
-    """A value of another process, pulled by the consuming rank when its op needs it and
-    its producer has offered it: in the rank's batch layout (the producer offers it in its
-    own rank's, the same split), then moved where the op's program reads it."""
-
-    def __init__(self, connection, uuid: int, spec, target, timeout_s: float):
-        self.connection, self.uuid, self.spec, self.target = connection, uuid, spec, target
-        self.timeout_s = timeout_s
-
-    def fetch(self):
-        key = _offered(self.uuid)
-        sent = json.loads(store.get(key, self.timeout_s))
-        store.delete(key)
-        check_layout(sent, self.spec.sharding, self.spec.shape, self.uuid, self.spec.dtype)
-        (value,) = self.connection.pull(self.uuid, [self.spec])
-        return value if self.target == self.spec.sharding else jax.device_put(value, self.target)
-
-
-class _StepLinks:
-    def __init__(self, spanning: Spanning, run):
-        self.spanning, self.run = spanning, run
-        ex = spanning.ex
-        layout = ex.schedule.layout
-        ttl = datetime.timedelta(seconds=ex.timeout_s)
-        self.ttl = ttl
-        for s in range(ex.schedule.num_stages):   # values this process's stages receive from others
-            if not run.local_stage[s]:
-                continue
-            info = run.info[s]
-            for kind, src, spec in (("act", layout.prev_stage[s], info.x), ("grad", layout.next_stage[s], info.gy)):
-                if src is None or run.local_stage[src] or (kind == "act" and info.chunk.first) or \
-                        (kind == "grad" and info.chunk.last):
-                    continue
-                proc = ex.ranks[layout.stage_rank[src]].devices[0].process_index
-                rank = ex.ranks[layout.stage_rank[s]]
-                wire = jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=rank.batch(len(spec.shape)))
-                for m in self._microbatches(s):
-                    key = (kind, s, m)
-                    run.mail.put(key, _Pull(spanning.connections[proc], spanning.uuid(key), wire, spec.sharding,
-                                           ex.timeout_s))
-
-    def _microbatches(self, s: int):
-        for pipe in self.spanning.ex.schedule.layout.pipelines:
-            if s in pipe.stages:
-                return pipe.microbatches
-        return ()
-
-    def prepare(self, key, value):
-        """During the producing op: the value in the consumer's layout on this rank (a rank of
-        several devices splits the batch over them, as the consumer's does)."""
-        ex = self.spanning.ex
-        kind, stage, _ = key
-        src_stage = ex.schedule.layout.prev_stage[stage] if kind == "act" else ex.schedule.layout.next_stage[stage]
-        rank = ex.ranks[ex.schedule.layout.stage_rank[src_stage]]
-        want = rank.batch(value.ndim)
-        if value.sharding != want:
-            value = jax.device_put(value, want)
-        return key, value
-
-    def announce(self, handle):
-        """Once the producing op's end is recorded: offer the value to its consumer's pull."""
-        key, value = handle
-        uuid = self.spanning.uuid(key)
-        self.spanning.server.await_pull(uuid, [value], timeout=datetime.datetime.now() + self.ttl)
-        store.put(_offered(uuid), json.dumps(layout(value.sharding, value.shape)))
+def _microbatches(lay, s: int):
+    for pipe in lay.pipelines:
+        if s in pipe.stages:
+            return pipe.microbatches
+    return ()

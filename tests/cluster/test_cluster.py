@@ -109,12 +109,16 @@ def test_cluster_spec_reads_the_launch_environment():
             cluster_spec(env)
 
 
-def test_pdjax_launch_command_names_the_failing_process():
-    """The command line: each process gets its id; process 1 exits 5; the launch exits 1
-    naming it (no jax in the children: a second)."""
+def test_pdjax_launch_command_names_the_failing_process(tmp_path):
+    """The command line: each process gets its id; process 1 exits 5 once process 0 has
+    printed (a file says so: the launch kills the others at the first failure); the launch
+    exits 1 naming it (no jax in the children: a second)."""
     import subprocess
 
-    code = "import os, sys; print('id', os.environ['PDJAX_PROCESS_ID']); sys.exit(5 * int(os.environ['PDJAX_PROCESS_ID']))"
+    said = tmp_path / "said"
+    code = ("import os, sys, time\nme = int(os.environ['PDJAX_PROCESS_ID'])\nprint('id', me, flush=True)\n"
+            f"if me == 0:\n    open({str(said)!r}, 'w').close()\n    time.sleep(60)\n"
+            f"while not os.path.exists({str(said)!r}):\n    time.sleep(0.01)\nsys.exit(5)")
     run = subprocess.run([sys.executable, "-m", "pdjax", "launch", "--num-processes", "2", "--timeout", "60", "--",
                           sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 1

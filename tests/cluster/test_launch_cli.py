@@ -188,3 +188,25 @@ def test_a_stopped_process_is_named_not_the_healthy_one_the_heartbeat_aborts():
     assert "then process 0 of 2 " in message and "joined" in e.value.tail
     pids = [int(p) for p in re.findall(r"^\[\d\] pid (\d+)$", stream.getvalue(), re.M)]
     assert len(pids) == 2 and not any(_alive(p) for p in pids)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="pin_cores needs Linux")
+def test_pin_cores_pins_each_process_before_its_command_starts(tmp_path, monkeypatch, capsys):
+    """``pin_cores``: process i runs on the i-th core given (in turn), set before the command
+    starts (its first line already sees it); the variable that carries it does not reach the
+    command. A core this process may not use is refused before anything starts."""
+    cores = sorted(os.sched_getaffinity(0))
+    out = tmp_path / "aff"
+    code = ("import os; open(os.environ['OUT'] + os.environ['PDJAX_PROCESS_ID'], 'w').write("
+            "repr((sorted(os.sched_getaffinity(0)), os.environ.get('PDJAX_PIN_CORES'))))")
+    launch([sys.executable, "-c", code], 3, env={"OUT": str(out)}, pin_cores=[cores[-1], cores[0]], stream=None)
+    got = [eval((tmp_path / f"aff{i}").read_text()) for i in range(3)]
+    assert got == [([cores[-1]], None), ([cores[0]], None), ([cores[-1]], None)]
+    launch([sys.executable, "-c", code], 1, env={"OUT": str(out)}, pin_cores=True, stream=None)
+    assert eval((tmp_path / "aff0").read_text()) == ([cores[0]], None)
+    for bad in ([max(cores) + 1], [], "0", [-1]):
+        with pytest.raises(ValueError, match="pin_cores"):
+            launch([sys.executable, "-c", "raise SystemExit(3)"], 1, pin_cores=bad, stream=None)
+    monkeypatch.setenv("OUT", str(tmp_path / "cli"))            # pdjax launch --pin-cores: the same
+    assert main(["--num-processes", "2", "--pin-cores", "--", sys.executable, "-c", code]) == 0
+    assert eval((tmp_path / "cli1").read_text()) == ([cores[1 % len(cores)]], None)

@@ -118,3 +118,35 @@ def test_a_pull_past_its_deadline_raises_timeout_naming_it(ends):
     # and a pull offered in time is not cut short by its deadline
     got = receiver.pull(sender.offer(rows), jax.devices()[5], timeout_s=10)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(rows))
+
+
+def test_shared_memory_transport_moves_exact_values_once_with_the_same_checks(tmp_path):
+    """transport="shm" (processes of one host): the offer writes the bytes to a file in
+    shared memory and the pull reads them onto the target, with the transfer transport's
+    descriptor, layout check, byte count and counters; the file is gone once pulled (a
+    second pull of it fails) and close() removes what was never pulled."""
+    import os
+
+    sender = ArraySender(transport="shm")
+    receiver = ArrayReceiver("shm", timeout_s=5)
+    assert sender.server is None and sender.address == "shm" and receiver.connection is None
+    split = NamedSharding(_mesh(jax.devices()[:2]), P("x"))
+    rows = _rows(split, (8, 40))
+    desc = sender.offer(rows, gather=False)
+    assert desc["layout"] == layout(split, (8, 40)) and os.path.exists(desc["path"])
+    target = NamedSharding(_mesh(jax.devices()[4:6]), P("x"))
+    got = receiver.pull(desc, target)
+    assert got.sharding == target
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(rows))
+    assert not os.path.exists(desc["path"]) and receiver.bytes_received == 8 * 40 * 4 and receiver.pulls == 1
+    with pytest.raises(FileNotFoundError):
+        receiver.pull(desc, target)
+    again = sender.offer(rows, gather=False)
+    with pytest.raises(ValueError, match="differs from the sender's"):
+        receiver.pull(again, NamedSharding(_mesh(jax.devices()[4:8]), P("x")))   # 4-way: another layout
+    with pytest.raises(ValueError, match="needs the offer's path"):
+        receiver.pull({k: v for k, v in again.items() if k != "path"}, target)
+    sender.close()
+    assert not os.path.exists(os.path.dirname(again["path"]))
+    with pytest.raises(ValueError, match="transport must be one of"):
+        ArraySender(transport="pigeon")

@@ -94,9 +94,7 @@ def test_executed_placement_says_when_ranks_share_cores():
     shared = executed_bubbles.placement(run, cores=2)
     assert "4 ranks on 2 cores, shared" in shared and "of its own" not in shared.split(":")[0], shared
     assert "a core of its own" in executed_bubbles.placement(run, cores=4)
-    cluster = executed_bubbles.Run(schedules=["1f1b"], ranks=4, microbatches=8, cluster=True)
-    assert "4 ranks on 2 cores, shared" in executed_bubbles.placement(cluster, cores=2)
-    threads = executed_bubbles.Run(schedules=["1f1b"], ranks=4, microbatches=8, processes=False)
+    threads = executed_bubbles.Run(schedules=["1f1b"], ranks=4, microbatches=8, cluster=False)
     assert "thread" in executed_bubbles.placement(threads, cores=2)
     assert executed_bubbles.host_cores() >= 1
 
@@ -119,6 +117,6 @@ def test_quickstart_executed_section_runs_ranks_beyond_the_devices_and_says_how(
     monkeypatch.setattr(executed_bubbles, "report_table", lambda rows: "TABLE\n")
     monkeypatch.setattr(executed_bubbles, "host_cores", lambda: 2)
     section = quickstart.executed_pipeline_section(c, str(tmp_path))
-    assert [(s.run.ranks, s.run.processes) for s in ran] == [(16, True)]
+    assert [(s.run.ranks, s.run.cluster) for s in ran] == [(16, True)]
     assert "skipped" not in section.markdown and "devices" not in section.markdown
     assert "16 ranks on 2 cores, shared" in section.markdown

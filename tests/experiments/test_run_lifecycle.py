@@ -28,7 +28,7 @@ SMALL_SWEEP = ["--set", "sweep.num_stages=[4]", "--set", "sweep.microbatch_multi
     ("dbo_sweep", ["sweep.attn_shares=[1.5]"], "sweep.attn_shares: each must lie in [0, 1]"),
     ("executed_bubbles", ["run.microbatches=3"], "run.schedules: dualpipe at ranks = 2, microbatches = 3"),
     ("executed_bubbles", ['model.preset="huge"'], "model.preset: must be one of"),
-    ("executed_bubbles", ["run.processes=false", "run.ranks=16", "run.microbatches=32", 'run.schedules=["1f1b"]'],
+    ("executed_bubbles", ["run.cluster=false", "run.ranks=16", "run.microbatches=32", 'run.schedules=["1f1b"]'],
      "executed_bubbles needs 16 devices, got 8"),
     ("pd_vs_colocated", ["engine.max_decode_slots=10"], "engine.max_decode_slots: x scale (10 x 1) must divide"),
     ("pd_vs_colocated", ["engine.max_context=512"], "engine.max_context: x scale (512) must hold a long request"),

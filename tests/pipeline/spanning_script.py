@@ -1,7 +1,11 @@
-"""What tests/pipeline/test_spanning.py launches: ``python pipeline_script.py SCHEDULE OUT``
+"""What tests/pipeline/test_spanning.py launches: ``python spanning_script.py SCHEDULE OUT``
 in each process of a 2-process launch. The executor's ranks (one device each) are split over
-the processes; process 0 saves the step's loss, grads and measurements to OUT (npz)."""
+the processes; process 0 saves the step's loss, grads and measurements to OUT (npz).
+``python spanning_script.py SCHEDULE PIDS kill``: each process writes its pid to PIDS.<i>,
+runs one step, then process 1 SIGKILLs itself and process 0 runs the next step."""
 
+import os
+import signal
 import sys
 
 import jax
@@ -22,6 +26,20 @@ def setup(name):
     m = MICROBATCHES[name]
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (m * ROWS, T), dtype=np.int32)
     return cfg, params, pp.build(name, RANKS, m), tokens
+
+
+def kill(name: str, pids: str) -> None:
+    pdjax.cluster.initialize()
+    with open(f"{pids}.{jax.process_index()}", "w") as f:
+        f.write(str(os.getpid()))
+    cfg, params, schedule, tokens = setup(name)
+    ex = pp.Executor(schedule, cfg, devices=jax.devices(), timeout_s=40, measure=False)
+    params = jax.device_put(jax.tree.map(np.asarray, params), ex.replicated)
+    jax.block_until_ready(ex.step(params, tokens))
+    if jax.process_index() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    ex.step(params, tokens)                      # its peer is gone: never returns normally
+    print("the step after the kill returned", flush=True)
 
 
 def main(name: str, out: str) -> None:
@@ -47,4 +65,4 @@ def main(name: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    (kill if sys.argv[3:] == ["kill"] else main)(sys.argv[1], sys.argv[2])

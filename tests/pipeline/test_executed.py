@@ -46,7 +46,7 @@ def test_experiment_writes_table_and_plots(tmp_path, exec_cfg, exec_tokens, exec
     cfg = tmp_path / "e.toml"
     cfg.write_text('kind = "executed_bubbles"\n'
                    f'[run]\nschedules = ["1f1b"]\nranks = {s.num_ranks}\nmicrobatches = {m}\n'
-                   'repeats = 1\nop_repeats = 1\nprocesses = false\n'
+                   'repeats = 1\nop_repeats = 1\ncluster = false\n'
                    f'[model]\nlayers = {exec_cfg.num_hidden_layers}\ndense_layers = {exec_cfg.first_k_dense_replace}\n'
                    f'[batch]\nrows = {B // m}\nseq_len = {T}\n')
     out_dir, summary = runner.run(str(cfg), runs_dir=str(tmp_path / "runs"))

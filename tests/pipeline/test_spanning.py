@@ -3,7 +3,8 @@ processes x 2 CPU devices, a rank per device; pdjax.cluster.launch): a training 
 ``zb1p`` and ``dualpipe`` equals jax.value_and_grad of the unsplit model, activations and
 gradients cross the process boundary with the schedule's own sends, the timeline holds on
 one clock, and the measured peak bytes per rank are simulate()'s; pipeline.train resumes its
-orbax checkpoint with another process count."""
+orbax checkpoint with another process count; a rank killed between steps fails the launch
+naming its process and ranks, and no process is left."""
 
 import io
 import os
@@ -14,7 +15,8 @@ import numpy as np
 import pytest
 
 import pdjax.pipeline as pp
-from pdjax.cluster import launch
+from pdjax.cluster import LaunchError, launch
+from pdjax.cluster.children import process_state
 
 import spanning_script as script
 import train_script
@@ -44,6 +46,22 @@ def test_step_with_ranks_in_two_processes_equals_value_and_grad(name, tmp_path):
     memory = {"F": got["stage_F"], "I": got["stage_I"], "I_free": got["stage_I_free"]}
     np.testing.assert_array_equal(got["memory"], pp.simulate(schedule, memory=memory).peak_memory)
     assert np.all(got["memory"] > 0)
+
+
+def test_a_rank_killed_between_steps_fails_the_launch_naming_it_and_leaves_no_process(tmp_path):
+    """Process 1 (ranks 2 and 3) SIGKILLs itself after a step; process 0's next step waits
+    for values that never come. The launch fails naming process 1, its signal and its ranks
+    (from the line the executor prints when it takes them), and kills process 0: none is
+    left."""
+    pids = tmp_path / "pid"
+    with pytest.raises(LaunchError) as err:
+        launch([sys.executable, SCRIPT, "zb1p", str(pids), "kill"], 2, 2, timeout_s=120, stream=io.StringIO())
+    text = str(err.value)
+    assert err.value.process == 1 and "process 1 of 2" in text and "SIGKILL" in text, text
+    assert "process 1 of 2 runs ranks 2, 3" in text, text
+    assert "the step after the kill returned" not in text
+    for i in (0, 1):
+        assert process_state(int((tmp_path / f"pid.{i}").read_text())) in (None, "Z"), i
 
 
 def _train_launched(steps, checkpoint_dir, out):
