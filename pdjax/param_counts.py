@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from pdjax.arguments import check_int
+
 # the config fields the counts read (a ModelConfig has them all)
 _FIELDS = ("hidden_size", "num_attention_heads", "q_lora_rank", "qk_head_dim", "kv_lora_rank", "qk_rope_head_dim",
            "qk_nope_head_dim", "v_head_dim", "n_routed_experts", "n_shared_experts", "num_experts_per_tok",
@@ -130,8 +132,7 @@ def param_counts(cfg: "ModelConfig", mtp_layers: int = 0) -> ParamCounts:
     missing = [f for f in _FIELDS if not hasattr(cfg, f)]
     if missing:
         raise TypeError(f"param_counts expects a ModelConfig, got {type(cfg).__name__} (no {missing[0]!r})")
-    if isinstance(mtp_layers, bool) or not isinstance(mtp_layers, int) or mtp_layers < 0:
-        raise ValueError(f"mtp_layers must be an integer >= 0, got {mtp_layers!r}")
+    check_int("mtp_layers", mtp_layers, 0)
     d = cfg.hidden_size
     n_layers = cfg.num_hidden_layers
     moe_layers = [i for i in range(n_layers) if cfg.is_moe_layer(i)]

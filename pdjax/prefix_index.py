@@ -28,12 +28,13 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from pdjax.arguments import check_int
+
 _PERSON = b"pdjax-prefix"       # BLAKE2b personalisation: keys of this chain only
 
 
 def check_block_size(block_size) -> None:
-    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
-        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+    check_int("block_size", block_size)
 
 
 def token_chain_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
@@ -65,8 +66,7 @@ class PrefixCache:
                  retention: Optional[dict] = None, default_ttl: float = math.inf, *,
                  on_evict: Optional[Callable[[int, float], None]] = None,
                  on_expire: Optional[Callable[[int], None]] = None):
-        if isinstance(capacity_blocks, bool) or not isinstance(capacity_blocks, int) or capacity_blocks < 0:
-            raise ValueError(f"capacity_blocks must be an integer >= 0, got {capacity_blocks!r}")
+        check_int("capacity_blocks", capacity_blocks, 0)
         check_block_size(block_size)
         self.capacity = capacity_blocks
         self.block_size = block_size

@@ -88,13 +88,6 @@ def prompt_problem(prompt, vocab_size: int):
     return None
 
 
-def check_count(name: str, value) -> int:
-    """A positive integer count (not a bool, not a float): ``value`` as an int."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
 def check_layers(params, cfg: ModelConfig, cache=None, moe_impl=None) -> None:
     """Host-side: the params' layer form (per-layer or stacked per run, see
     :mod:`pdjax.model.layer_scan`) agrees with ``cfg``, the cache's form and ``moe_impl``;

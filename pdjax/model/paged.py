@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
+from pdjax.arguments import check_int
 from pdjax.config import ModelConfig, dtype_name
 from pdjax.model.cache import scatter_rows
 
@@ -155,8 +156,7 @@ def init_paged_cache(cfg: ModelConfig, *, slots: int, num_blocks: int, block_siz
     dtype = cfg.kv_cache_dtype if dtype is None else dtype_name(dtype, "init_paged_cache dtype")
     for name, v in (("slots", slots), ("num_blocks", num_blocks), ("block_size", block_size),
                     ("blocks_per_slot", blocks_per_slot)):
-        if not isinstance(v, int) or v <= 0:
-            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        check_int(name, v)
     if num_blocks < 2:
         raise ValueError(f"num_blocks must be >= 2 (block 0 is scratch), got {num_blocks}")
     ranks = math.prod(mesh.shape[a] for a in axes) if mesh is not None else 1

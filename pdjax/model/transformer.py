@@ -38,11 +38,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pdjax.arguments import check_int
 from pdjax.config import ModelConfig
 from pdjax.model import dots, layer_scan, mla
 from pdjax.model import moe as moe_lib
 from pdjax.model.cache import KVCache, host_lengths, remember_lengths, to_cache_dtype, write_rows
-from pdjax.model.checks import (check_cache, check_count, check_layers, check_lengths, check_tokens, is_tracer, on_device,
+from pdjax.model.checks import (check_cache, check_layers, check_lengths, check_tokens, is_tracer, on_device,
                                 prompt_problem)
 # init_params and param_dtype live in pdjax.model.params; importable here, where callers look
 from pdjax.model.params import init_params, param_dtype  # noqa: F401
@@ -287,7 +288,7 @@ def prefill(params, cfg: ModelConfig, tokens, *, max_len: int | None = None,
     tokens = check_tokens(cfg, tokens, 2)
     check_layers(params, cfg, cache, moe_impl)
     if max_len is not None:
-        max_len = check_count("max_len", max_len)
+        max_len = check_int("max_len", max_len)
     B, T = tokens.shape
     fresh = cache is None
     if fresh:
@@ -369,9 +370,9 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int, max_len:
     token lists of any lengths (returns a list of the new token lists, one per prompt, as every
     serving engine's ``generate`` does).
     """
-    check_count("max_new_tokens", max_new_tokens)
+    check_int("max_new_tokens", max_new_tokens)
     if max_len is not None:
-        max_len = check_count("max_len", max_len)
+        max_len = check_int("max_len", max_len)
     check_layers(params, cfg, None, moe_impl)
     tokens, lengths, ragged = _pad_prompts(cfg, prompts)
     need = int(lengths.max()) + max_new_tokens

@@ -26,6 +26,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from pdjax.arguments import check_int
 from pdjax.analysis.opmodel import LayerParts, Part
 from pdjax.analysis.overlap import layer_program
 from pdjax.analysis.streams import schedule
@@ -125,8 +126,7 @@ def overlap_timeline(t_attn: float, t_experts: float, t_dispatch: float, t_combi
     t_combine = t_dispatch if t_combine is None else t_combine
     if not t_combine >= 0:
         raise ValueError(f"t_combine must be >= 0, got {t_combine}")
-    if not isinstance(num_layers, int) or num_layers <= 0:
-        raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
+    check_int("num_layers", num_layers)
     f = 0.5 if dbo else 1.0
     lp = LayerParts(attn=Part(attention=t_attn * f), experts=Part(gemm=t_experts * f),
                     dispatch=Part(comm=t_dispatch * f), combine=Part(comm=t_combine * f))

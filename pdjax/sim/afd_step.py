@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
+from pdjax.arguments import check_int
 from pdjax.analysis.overlap import AFStages, af_program
 from pdjax.analysis.streams import Op, schedule
 
@@ -43,8 +44,7 @@ def afd_program(t_attn: float, t_ffn: float, t_comm: float, microbatches: int, l
     (default ``t_comm``) seconds."""
     t_back = t_comm if t_back is None else t_back
     for name, n in (("microbatches", microbatches), ("layers", layers)):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"{name} must be a positive integer, got {n!r}")
+        check_int(name, n)
     for name, v in (("t_attn", t_attn), ("t_ffn", t_ffn), ("t_comm", t_comm), ("t_back", t_back)):
         if not (v >= 0 and math.isfinite(v)):
             raise ValueError(f"{name} must be a finite time >= 0, got {v!r}")
@@ -66,8 +66,7 @@ def afd_layer_cycle(t_attn: float, t_ffn: float, t_comm: float, microbatches: in
     per-layer times in): max(m T_a, m T_f, m T_c, T_a + T_f + 2 T_c), the closed form of
     :func:`afd_scheduled_cycle` for the simulator's event loop (equal to it: the module docstring)."""
     m = microbatches                          # checked inline: the event loop calls this every step
-    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-        raise ValueError(f"microbatches must be a positive integer, got {m!r}")
+    check_int("microbatches", m)
     for name, v in (("t_attn", t_attn), ("t_ffn", t_ffn), ("t_comm", t_comm)):
         if not (v >= 0 and math.isfinite(v)):
             raise ValueError(f"{name} must be a finite time >= 0, got {v!r}")
@@ -89,10 +88,8 @@ class AFDStepModel:
 
     def __init__(self, cost, num_ffn: int, microbatches: int, exchange_bw: float,
                  num_layers: int, exchange_bytes: float | None = None):
-        if isinstance(num_ffn, bool) or not isinstance(num_ffn, int) or num_ffn < 1:
-            raise ValueError(f"num_ffn must be a positive integer, got {num_ffn!r}")
-        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-            raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
+        check_int("num_ffn", num_ffn)
+        check_int("microbatches", microbatches)
         if not (exchange_bw > 0 and math.isfinite(exchange_bw)):
             raise ValueError(f"exchange_bw must be a positive number of bytes/s, got {exchange_bw!r}")
         if exchange_bytes is None:

@@ -39,6 +39,7 @@ import dataclasses
 import math
 from typing import Callable, Optional, Protocol, Sequence, runtime_checkable
 
+from pdjax.arguments import check_int
 from pdjax.analysis.afd_bounds import afd_exchange_bytes
 from pdjax.analysis import hardware, kv_bytes_per_token, param_counts
 from pdjax.analysis.roofline import attention_flops_per_token
@@ -251,8 +252,7 @@ class LinearStepCost:
 def _check_roofline_scales(ep_size, mfu, mbu) -> None:
     """The scale arguments of :meth:`LinearStepCost.from_roofline`: ``ep_size`` a positive
     integer, ``mfu`` and ``mbu`` in (0, 1]; ValueError naming the first that is not."""
-    if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
-        raise ValueError(f"ep_size must be a positive integer, got {ep_size!r}")
+    check_int("ep_size", ep_size)
     for name, v in (("mfu", mfu), ("mbu", mbu)):
         if not (0 < v <= 1):
             raise ValueError(f"{name} must lie in (0, 1], got {v!r}")

@@ -247,7 +247,7 @@ def test_block_allocator_view_bounds_and_the_unsharded_cache(tiny_cfg):
     bf16 = init_paged_cache(tiny_cfg.replace(cache_dtype="bfloat16"), slots=1, num_blocks=2, block_size=BLOCK,
                             blocks_per_slot=1)
     assert bf16.dtype == jax.numpy.bfloat16                     # the config's KV dtype by default
-    with pytest.raises(ValueError, match="slots must be a positive integer, got 0"):
+    with pytest.raises(ValueError, match="slots must be an integer >= 1, got 0"):
         init_paged_cache(tiny_cfg, slots=0, num_blocks=2, block_size=BLOCK, blocks_per_slot=1)
     for bad in (0, 3):
         with pytest.raises(ValueError, match=re.escape(f"view_blocks must be in [1, 2] or None, got {bad}")):

@@ -190,8 +190,8 @@ def test_init_into_shardings_equals_unsharded_init(tiny_cfg):
     ([["5", 7]], 2, TypeError, "prompt 0 must hold integer token ids"),
     ([[1, 2], [[3, 4]]], 2, TypeError, "prompt 1 must be a flat list"),
     ([[True, 3]], 2, TypeError, "prompt 0 holds a bool"),
-    ([[1, 2]], True, ValueError, "max_new_tokens must be a positive integer, got True"),
-    ([[1, 2]], 2.0, ValueError, "max_new_tokens must be a positive integer, got 2.0"),
+    ([[1, 2]], True, ValueError, "max_new_tokens must be an integer >= 1, got True"),
+    ([[1, 2]], 2.0, ValueError, "max_new_tokens must be an integer >= 1, got 2.0"),
 ])
 def test_generate_coerces_nothing(tiny_cfg, tiny_params, prompts, max_new, err, says):
     """Prompts and counts are checked, never rounded, parsed or cast (before any compute)."""
