@@ -2,7 +2,7 @@
 
 Each schedule runs as real training steps of the pdjax model (the pipeline executor).
 
-For every rank count and schedule (:func:`pdjax.pipeline.executed.measure_schedule`):
+For every rank count and schedule (:func:`pdjax.pipeline.measurement.measure_schedule`):
 
 (a) per-op durations measured in isolation (one op at a time, inputs ready before the clock
     starts, outputs ready when it stops; medians, ms): F, B, I, W and the overlapped F&B
@@ -56,7 +56,7 @@ jax.config.update("jax_compilation_cache_dir",
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 import pdjax  # noqa: E402
-from pdjax.pipeline.executed import measure_schedule, text_table  # noqa: E402
+from pdjax.pipeline.measurement import measure_schedule, text_table  # noqa: E402
 
 SCHEDULES = ("1f1b", "zb1p", "dualpipe", "dualpipev")
 

@@ -1,6 +1,6 @@
 """Experiment: pipeline schedules executed as real training steps, against their simulation.
 
-For every schedule of the config, :func:`pdjax.pipeline.executed.measure_schedule` runs the
+For every schedule of the config, :func:`pdjax.pipeline.measurement.measure_schedule` runs the
 model's training step with the :class:`pdjax.pipeline.Executor` (a measured timeline per
 rank), times every op in isolation and simulates the schedule with those times and the
 executor's byte model. ``[run] cluster = true`` (the default) runs each rank in a process of
@@ -107,9 +107,9 @@ def headline(rows) -> str:
 
 
 def report_table(rows) -> str:
-    """The rows (:class:`pdjax.pipeline.executed.ExecutedRow`) as a markdown table, with a
+    """The rows (:class:`pdjax.pipeline.measurement.ExecutedRow`) as a markdown table, with a
     note on its columns."""
-    from pdjax.pipeline.executed import TABLE_HEAD, table_cells
+    from pdjax.pipeline.measurement import TABLE_HEAD, table_cells
 
     table_rows = [dict(zip(TABLE_HEAD, table_cells(r))) for r in rows]
     inexact: dict[str, list[str]] = {}
@@ -150,7 +150,7 @@ def placement(r: Run, cores: int) -> str:
 
 
 def _measure(c: Config, mcfg, tokens, params) -> list:
-    from pdjax.pipeline.executed import measure_schedule
+    from pdjax.pipeline.measurement import measure_schedule
 
     rows = []
     for name in progress.track(c.run.schedules, "executed_bubbles: schedules (compile, time, simulate)"):
@@ -168,7 +168,7 @@ def run(c: Config, out_dir: str) -> Result:
     import numpy as np
 
     import pdjax
-    from pdjax.pipeline.executed import COLUMNS, plot_pair
+    from pdjax.pipeline.measurement import COLUMNS, plot_pair
 
     mcfg = model_config(c.model, c.scale)
     shape = (c.run.microbatches * c.batch.rows * c.scale, c.batch.seq_len * c.scale)

@@ -6,7 +6,7 @@ candidate): the frontier of (peak memory, makespan) with the hand-written schedu
 on the same axes, and for each memory budget (a multiple of 1F1B's peak, ``P`` micro-batch
 activations of a rank) the best makespan against the proven lower bound (the gap). With
 ``[execute] enabled``, the search is run again at the executor's size and its top schedule
-is executed on a tiny model (:func:`pdjax.pipeline.executed.measure_schedule`): measured
+is executed on a tiny model (:func:`pdjax.pipeline.measurement.measure_schedule`): measured
 bubble ratio beside the simulated one.
 
 ``scale`` multiplies ``num_microbatches``.
@@ -200,7 +200,7 @@ def _execute(c: Config) -> dict:
     import numpy as np
 
     import pdjax
-    from pdjax.pipeline.executed import measure_schedule
+    from pdjax.pipeline.measurement import measure_schedule
     from pdjax.schedules.search import search
 
     e = c.execute

@@ -15,7 +15,7 @@ from pdjax.schedules import (DeadlockError, Layout, Schedule, ScheduleError, Sea
                              bubble_formula, build, compare, format_report, formula_conditions, lower_bound,
                              memory_table, plot, search, simulate, stage_costs, validate)
 
-from .executed import measure_schedule
+from .measurement import measure_schedule
 from .executor import Executor
 from .stages import next_token_loss, split_layers
 from .training import TrainState, train

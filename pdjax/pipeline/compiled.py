@@ -4,7 +4,7 @@ ops, and the compiled programs of its op kinds and of the overlapped pairs it le
 
 :meth:`pdjax.pipeline.Executor.compile` fills one :class:`CompiledStage` per stage (its
 forward first, then the backwards whose inputs the forward's outputs fix, then the weight
-gradients); the step runner (:mod:`pdjax.pipeline.runtime`) reads them. The compiled
+gradients); the step runner (:mod:`pdjax.pipeline.step_run`) reads them. The compiled
 programs themselves are shared between executors that run the same stage program on the same
 devices, and a program compiled for one rank is relocated to another that runs the same
 program (:mod:`pdjax.pipeline.relocate`); distinct programs compile concurrently

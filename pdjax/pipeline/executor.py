@@ -37,12 +37,12 @@ import numpy as np
 
 from pdjax.config import ModelConfig
 from pdjax.pipeline import executor_checks as ec
-from pdjax.pipeline import spanning
+from pdjax.pipeline import multiprocess
 from pdjax.pipeline import stages as st
 from pdjax.pipeline.compiled import CompiledStage, compile_all, compiling, warm_helpers
 from pdjax.pipeline.rank import Rank
 from pdjax.schedules.ops import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, OverlapFB
-from pdjax.pipeline.runtime import StepRun
+from pdjax.pipeline.step_run import StepRun
 
 LOSSES = ec.LOSSES   # the losses the executor runs
 
@@ -90,9 +90,9 @@ class Executor:
         self.devices_per_rank = k
         self.ranks = [Rank(r, devices[r * k:(r + 1) * k]) for r in range(n)]
         # the ranks whose programs this process compiles and runs (None: all). Ranks in other
-        # processes of a jax.distributed launch: :mod:`pdjax.pipeline.spanning`
-        self.local_ranks = spanning.local_ranks(self.ranks)
-        self.spanning = None if self.local_ranks is None else spanning.Spanning(self, self.local_ranks)
+        # processes of a jax.distributed launch: :mod:`pdjax.pipeline.multiprocess`
+        self.local_ranks = multiprocess.local_ranks(self.ranks)
+        self.spanning = None if self.local_ranks is None else multiprocess.Spanning(self, self.local_ranks)
         self.chunks = st.split_layers(cfg.num_hidden_layers, num_chunks, layers_per_stage)
         empty = [c.index for c in self.chunks if c.stop == c.start]
         if empty and layers_per_stage is None:      # said out loud unless the caller chose it

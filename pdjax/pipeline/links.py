@@ -1,5 +1,5 @@
 """Stage links: how a value one rank's op produces reaches the op of another rank that
-consumes it. The step runner (:class:`pdjax.pipeline.runtime.StepRun`) talks to this one
+consumes it. The step runner (:class:`pdjax.pipeline.step_run.StepRun`) talks to this one
 interface, whichever side of a process boundary the consumer is on:
 
 - ``offer(key, value, sharding)`` during the producing op: the value made ready for its
@@ -9,7 +9,7 @@ interface, whichever side of a process boundary the consumer is on:
   past the link's deadline; :class:`Aborted` once ``failed()`` says another rank failed.
 
 ``key`` is ``(kind, stage, micro-batch)``: kind "act" (the input of ``stage``'s forward) or
-"grad" (the gradient of its output), as :class:`~pdjax.pipeline.runtime.StepRun` names them.
+"grad" (the gradient of its output), as :class:`~pdjax.pipeline.step_run.StepRun` names them.
 
 :class:`LocalLink`: both ranks in this process; a ``device_put`` onto the consumer's
 sharding, then a mailbox. :class:`ProcessLink`: the consumer in another process of a

@@ -1,4 +1,4 @@
-"""Executed schedules against their simulation (pdjax.pipeline.executed) and the
+"""Executed schedules against their simulation (pdjax.pipeline.measurement) and the
 executed_bubbles experiment, on the session's tiny executor case (2 ranks x 4 micro-batches)."""
 
 import json
@@ -10,7 +10,7 @@ import pytest
 
 from pdjax.experiments import runner
 from pdjax.experiments.executed_bubbles import report_table
-from pdjax.pipeline.executed import COLUMNS, measure_executor, text_table
+from pdjax.pipeline.measurement import COLUMNS, measure_executor, text_table
 
 
 def _check_row(row):

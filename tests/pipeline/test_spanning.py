@@ -90,7 +90,7 @@ def test_executed_bubbles_cluster_mode_measures_like_the_simulator():
     """measure_schedule(cluster=True) (the executed_bubbles experiment's cluster mode): a rank
     per process of a launch, ops timed under the machine's lock; the measured peaks equal the
     simulated byte model and every op was timed."""
-    from pdjax.pipeline.executed import measure_schedule
+    from pdjax.pipeline.measurement import measure_schedule
 
     cfg, params, _, _ = script.setup("zb1p")
     row = measure_schedule("zb1p", cfg, num_ranks=2, num_microbatches=4, batch_shape=(4, 8), params=params,

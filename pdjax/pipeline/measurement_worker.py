@@ -1,7 +1,7 @@
-"""The process of :func:`pdjax.pipeline.executed.measure_in_cluster` (``python -m
-pdjax.pipeline.executed_cluster SPEC OUT``, one per rank of a ``jax.distributed`` launch,
+"""The process of :func:`pdjax.pipeline.measurement.measure_in_cluster` (``python -m
+pdjax.pipeline.measurement_worker SPEC OUT``, one per rank of a ``jax.distributed`` launch,
 pinned to its rank's CPU core by the launch): it joins the cluster, builds the multi-controller
-:class:`~pdjax.pipeline.Executor` over every process's device (:mod:`pdjax.pipeline.spanning`)
+:class:`~pdjax.pipeline.Executor` over every process's device (:mod:`pdjax.pipeline.multiprocess`)
 and measures the schedule; process 0 writes the row."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def _main(spec_path: str, out: str) -> None:
     import jax
 
     import pdjax
-    from pdjax.pipeline.executed import measure_executor
+    from pdjax.pipeline.measurement import measure_executor
     from pdjax.pipeline.executor import Executor
 
     pdjax.cluster.initialize()

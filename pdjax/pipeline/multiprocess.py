@@ -122,7 +122,7 @@ class Spanning:
 
     def link_for(self, run) -> ProcessLink:
         """The :class:`~pdjax.pipeline.links.ProcessLink` of a step's
-        :class:`~pdjax.pipeline.runtime.StepRun`: what this process's ranks send to the ranks
+        :class:`~pdjax.pipeline.step_run.StepRun`: what this process's ranks send to the ranks
         of other processes and receive from them, this step."""
         ex = self.ex
         lay = ex.schedule.layout

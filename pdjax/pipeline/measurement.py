@@ -118,7 +118,7 @@ def measure_schedule(name, cfg, *, num_ranks: int = 2, num_microbatches: int = 8
     kept; the lower middle one for an even count); ``op_repeats``: isolated runs of every op
     (medians). ``cluster``: one process per rank in a ``jax.distributed`` launch, each
     pinned to a core of its own (``cores``, taken in turn; default the available cores) and
-    running the multi-controller executor (:mod:`pdjax.pipeline.executed_cluster`), instead
+    running the multi-controller executor (:mod:`pdjax.pipeline.measurement_worker`), instead
     of one thread per rank here."""
     import jax
 
@@ -150,7 +150,7 @@ def measure_in_cluster(schedule, cfg, params, tokens, *, repeats: int, op_repeat
     """The :class:`ExecutedRow` of ``schedule`` measured with one process per rank of a
     ``jax.distributed`` launch (:func:`pdjax.cluster.launch` with ``pin_cores``), each pinned
     to its core (``cores``; default the available cores in turn) and running the multi-controller
-    executor (:mod:`pdjax.pipeline.executed_cluster`). Ops are timed in isolation under a
+    executor (:mod:`pdjax.pipeline.measurement_worker`). Ops are timed in isolation under a
     lock of the machine; values between ranks cross with the transfer server, their time in
     flight shows as idle time before the consuming op (the simulation gets ``comm = 0``)."""
     import os
@@ -169,7 +169,7 @@ def measure_in_cluster(schedule, cfg, params, tokens, *, repeats: int, op_repeat
             pickle.dump(dict(schedule=schedule, cfg=cfg, params=jax.tree.map(np.asarray, params),
                              tokens=np.asarray(tokens), repeats=repeats, op_repeats=op_repeats,
                              layers_per_stage=layers_per_stage), f)
-        launch([sys.executable, "-m", "pdjax.pipeline.executed_cluster", spec, out], n, 1, timeout_s=timeout_s,
+        launch([sys.executable, "-m", "pdjax.pipeline.measurement_worker", spec, out], n, 1, timeout_s=timeout_s,
                stream=stream, pin_cores=True if cores is None else list(cores))
         with open(out, "rb") as f:
             return pickle.load(f)
