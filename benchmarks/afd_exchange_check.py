@@ -28,9 +28,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import pdjax  # noqa: E402
-from pdjax.disagg import AFDEngine, afd_ffn, afd_pool  # noqa: E402
+from pdjax.disagg import AFDEngine, afd_attention, afd_ffn  # noqa: E402
 
-CHECKED = {"seal": afd_ffn.seal, "unseal": afd_ffn.unseal, "_segment": afd_pool._segment, "_routed": afd_ffn._routed}
+CHECKED = {"seal": afd_ffn.seal, "unseal": afd_ffn.unseal, "_segment": afd_attention._segment, "_routed": afd_ffn._routed}
 
 
 def _pass_seal(pieces, mesh, poison=None):
@@ -42,7 +42,7 @@ def _pass_unseal(sealed, mesh):
 
 
 UNCHECKED = {"seal": _pass_seal, "unseal": _pass_unseal,      # copies of the programs: their own caches
-             "_segment": jax.jit(afd_pool._segment.__wrapped__, static_argnames=("cfg", "paging", "parts"),
+             "_segment": jax.jit(afd_attention._segment.__wrapped__, static_argnames=("cfg", "paging", "parts"),
                                  donate_argnames=("pools",)),
              "_routed": jax.jit(afd_ffn._routed.__wrapped__, static_argnames=("cfg", "ep"))}
 
@@ -50,7 +50,7 @@ UNCHECKED = {"seal": _pass_seal, "unseal": _pass_unseal,      # copies of the pr
 def use(checked: bool) -> None:
     """Install the sealed (or the pass-through) exchange and its compiled programs."""
     for name, fn in (CHECKED if checked else UNCHECKED).items():
-        for mod in (afd_ffn, afd_pool):
+        for mod in (afd_ffn, afd_attention):
             if hasattr(mod, name):
                 setattr(mod, name, fn)
 

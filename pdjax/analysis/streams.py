@@ -18,7 +18,7 @@ resource that serves one op at a time), and an op starts when its stream is free
 everything it waits for has ended. The streams are :data:`RESOURCES`: a GPU's compute and
 communication streams (:data:`STREAMS`, the default pair) and an AF unit's attention side,
 FFN side and the two directions of its exchange (:data:`AFD_STREAMS`, the names of
-pdjax.disagg.afd's measured spans). The set is closed, so a misspelt stream is refused
+pdjax.disagg.afd_engine's measured spans). The set is closed, so a misspelt stream is refused
 rather than run as a resource of its own beside the others.
 
 While a communication op that occupies SMs runs, GEMMs on the "compute" stream (and only

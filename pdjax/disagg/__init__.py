@@ -8,8 +8,8 @@ processes behind one router; launch_ffn: AFD's FFN side as its own process, AFDE
 The serving runtime (jax, tensorstore); the pure prefix index it shares with the serving
 simulator is :mod:`pdjax.prefix_index`."""
 
-from pdjax.disagg.afd import AFDEngine
-from pdjax.disagg.afd_remote import launch_ffn
+from pdjax.disagg.afd_engine import AFDEngine
+from pdjax.disagg.afd_process import launch_ffn
 from pdjax.disagg.engine import ColocatedEngine, PDEngine
 from pdjax.disagg.launcher import PDCluster, launch_pd
 from pdjax.disagg.link import Chunk, DevicePutLink

@@ -21,7 +21,7 @@ on the rank that holds the piece. The receiving program recomputes them on arriv
 (:func:`unseal`) and counts the pieces that differ, on device: the FFN side seals its output
 *poisoned* where its input piece arrived corrupt (the sums offset by the mismatch), so one
 comparison on the attention side covers both directions, and the micro-batch's count rides
-with its carry to the step's one host read (see :mod:`pdjax.disagg.afd_pool`).
+with its carry to the step's one host read (see :mod:`pdjax.disagg.afd_attention`).
 """
 
 from __future__ import annotations

@@ -29,7 +29,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pdjax.config import ModelConfig
-from pdjax.disagg.request import Request, sample
+from pdjax.disagg.request import Request
+from pdjax.disagg.sampling import sample
 from pdjax.model.cache import scatter_rows
 from pdjax.model.paged import BlockAllocator, init_paged_cache, view_bucket
 from pdjax.model.transformer import decode_core
@@ -82,7 +83,7 @@ class SlotState:
 def _step(params, cfg, cache, state, moe_impl, sampling=True):
     """One decode step of every slot: (sampled tokens [slots], cache, state advanced).
     ``sampling=False`` (static; every running slot greedy) takes the argmax, which is what
-    :func:`pdjax.disagg.request.sample` returns at temperature 0, without its sort over the
+    :func:`pdjax.disagg.sampling.sample` returns at temperature 0, without its sort over the
     vocabulary (and without reducing the temperatures over the mesh to find out)."""
     logits, cache = decode_core(params, cfg, state.last_token, cache, moe_impl, state.valid)
     toks, state = advance_slots(logits, state, sampling)

@@ -38,7 +38,8 @@ from pdjax.disagg.decode import DecodePool
 from pdjax.disagg.link import checksum
 from pdjax.disagg.loop import DecodeLoop
 from pdjax.disagg.prefill_server import mesh_devices, ready_info
-from pdjax.disagg.request import Clock, Request, RequestError, SamplingParams, validate_request
+from pdjax.disagg.clock import Clock
+from pdjax.disagg.request import Request, RequestError, SamplingParams, validate_request
 from pdjax.disagg.scheduler import (CancelPrefill, DecodeScheduler, Failed, Finished, LayerArrived, StartPrefill,
                                     Submit, Token)
 from pdjax.cluster.transfer import LOOPBACK, ArrayReceiver, Control, listen, start_transfer_server

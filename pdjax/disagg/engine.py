@@ -43,13 +43,13 @@ import numpy as np
 
 from pdjax.arguments import check_int, check_positive
 from pdjax.config import ModelConfig
+from pdjax.disagg.clock import Clock
 from pdjax.disagg.decode import DecodePool
 from pdjax.disagg.link import DevicePutLink, checksum
 from pdjax.disagg.loop import DecodeLoop, FifoLock
 from pdjax.disagg.prefill import PrefillPool, chunk_plan
 from pdjax.disagg.prefix_store import PrefixStore
-from pdjax.disagg.request import (Clock, Request, RequestError, SamplingParams, check_arrivals,
-                                  validate_request)
+from pdjax.disagg.request import Request, RequestError, SamplingParams, check_arrivals, validate_request
 from pdjax.disagg.scheduler import (Admitted, CancelPrefill, DecodeScheduler, Failed, LayerArrived, StartPrefill,
                                     Submit, Token)
 from pdjax.disagg.chunking import largest_chunk, whole_buckets

@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pdjax.compilation import announce
 from pdjax.config import ModelConfig
-from pdjax.disagg.request import sample
+from pdjax.disagg.sampling import sample
 from pdjax.model.transformer import embed, head, layer
 from pdjax.parallel.ep import ExpertParallel
 from pdjax.parallel.mesh import make_mesh, shard_params

@@ -28,7 +28,7 @@ from pdjax.arguments import check_int
 from pdjax.cluster.supervisor import announce_ready
 from pdjax.disagg.prefill import PrefillPool
 from pdjax.disagg.prefix_store import PrefixStore
-from pdjax.disagg.request import Clock
+from pdjax.disagg.clock import Clock
 from pdjax.cluster.transfer import LOOPBACK, ArraySender, Control, listen, start_transfer_server
 from pdjax.disagg.link import TransferLink
 from pdjax.disagg.wire import PrefillJob, event_to_wire

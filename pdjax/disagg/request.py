@@ -1,13 +1,11 @@
-"""Requests, their validation, sampling parameters and per-request metrics."""
+"""Requests, their validation, sampling parameters and per-request metrics (host-side; the
+sampler is :mod:`pdjax.disagg.sampling`, the engines' clock :mod:`pdjax.disagg.clock`)."""
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Callable, Optional
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from pdjax.arguments import ArgumentTypeError, check_nonnegative
@@ -120,33 +118,6 @@ def check_arrivals(arrival_times, n: int) -> list[float]:
             raise ValueError(f"arrival_times must be non-decreasing, got arrival_times[{i}]={out[i]!r} "
                              f"after arrival_times[{i - 1}]={out[i - 1]!r}")
     return out
-
-
-@jax.jit
-def sample(logits_SV, temperature_S, top_p_S, seed_S, step_S):
-    """One token per row: greedy where temperature is 0, else top-p sampling keyed by
-    (seed, generation step)."""
-    greedy = jnp.argmax(logits_SV, axis=-1)
-    t = jnp.maximum(temperature_S, 1e-6)[:, None]
-    scaled = logits_SV / t
-    order = jnp.argsort(-scaled, axis=-1)
-    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs          # mass of strictly better tokens
-    keep_sorted = before < top_p_S[:, None]
-    masked_sorted = jnp.where(keep_sorted, sorted_logits, -jnp.inf)
-    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seed_S, step_S)
-    pick = jax.vmap(jax.random.categorical)(keys, masked_sorted)
-    sampled = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0]
-    return jnp.where(temperature_S > 0, sampled, greedy).astype(jnp.int32)
-
-
-class Clock:
-    def __init__(self):
-        self.t0 = time.perf_counter()
-
-    def now(self) -> float:
-        return time.perf_counter() - self.t0
 
 
 TokenCallback = Callable[[int, int], None]

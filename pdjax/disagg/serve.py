@@ -1,5 +1,5 @@
 """PD and AF serving across processes: the entry point of one role (``pdjax serve --role
-prefill|decode|ffn``; ffn: the routed experts of AF disaggregation, :mod:`pdjax.disagg.afd_remote`).
+prefill|decode|ffn``; ffn: the routed experts of AF disaggregation, :mod:`pdjax.disagg.afd_process`).
 
 Each role is a process on its own devices with the same params ``(preset, seed)``; the latent
 KV moves layer by layer with ``jax.experimental.transfer``. The roles:
@@ -207,7 +207,7 @@ def main(argv=None, *, link_wrapper=None) -> int:
         PrefillServer(params, cfg, mesh, block_size=args.block_size, prefix_cache=args.prefix_cache,
                       link_wrapper=link_wrapper, host=args.host).serve_forever()
     elif args.role == "ffn":
-        from pdjax.disagg.afd_remote import FFNServer
+        from pdjax.disagg.afd_process import FFNServer
         from pdjax.disagg.prefill_server import mesh_devices
         FFNServer(params, cfg, mesh_devices(mesh), host=args.host, pull_timeout_s=args.pull_timeout).serve_forever()
     else:

@@ -24,7 +24,7 @@ threads slow the host), and what the models predict from those stage times:
   (:func:`pdjax.analysis.afd_speedup`; B_AFD = B_base: the same slots), measured with the
   step of a run without the timeline and predicted with the issue-order model's.
 
-Stage times are :func:`pdjax.disagg.afd.op_times` with the attention and FFN programs on
+Stage times are :func:`pdjax.disagg.afd_engine.op_times` with the attention and FFN programs on
 one resource (on XLA:CPU an FFN program waits for the attention programs issued before it;
 that wait is not its own time). Each is an upper bound: the simulated devices share the
 host's cores. Neither model counts the step's host work (scheduling, the micro-batch split,
@@ -42,7 +42,7 @@ from pdjax.analysis import afd_min_microbatches, afd_speedup
 from pdjax.analysis.afd_bounds import attention_share, dbo_hides_ffn
 from pdjax.analysis.overlap import AFStages, af_program
 from pdjax.analysis.streams import schedule
-from pdjax.disagg.afd import op_times
+from pdjax.disagg.afd_engine import op_times
 from pdjax.sim.afd_step import afd_scheduled_cycle
 
 STREAMS = ("attention", "a2f", "ffn", "f2a")
@@ -52,7 +52,7 @@ _NAME = re.compile(r"step (\d+) layer (\w+) mb (\d+)")
 
 
 def stage_medians(spans, skip_steps: int = 0, resource: dict | None = None) -> dict:
-    """{stream: {layer: median seconds}} of every op (:func:`pdjax.disagg.afd.op_times`) of
+    """{stream: {layer: median seconds}} of every op (:func:`pdjax.disagg.afd_engine.op_times`) of
     the steps from ``skip_steps`` on, over those steps and the micro-batches; the attention
     of the last segment (after the last MoE layer: final norm and head) is layer "head".
     ``resource`` as ``op_times`` (default :data:`CPU_RESOURCES`)."""

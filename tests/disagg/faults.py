@@ -21,7 +21,7 @@ import numpy as np
 
 from pdjax.cluster.children import process_state
 from pdjax.disagg.link import Cancelled
-from pdjax.disagg.request import Clock
+from pdjax.disagg.clock import Clock
 
 
 class ManualClock:

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from pdjax.arguments import ArgumentTypeError
-from pdjax.disagg.request import Clock, Request, RequestError, SamplingParams, check_arrivals, sample, validate_request
+from pdjax.disagg.clock import Clock
+from pdjax.disagg.request import Request, RequestError, SamplingParams, check_arrivals, validate_request
+from pdjax.disagg.sampling import sample
 
 
 def test_sampling_params_defaults_and_bounds():

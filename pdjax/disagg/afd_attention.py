@@ -170,7 +170,7 @@ class AFDPool(DecodePool):
     """See the module docstring. ``ffn_devices``: the FFN pool's devices (the routed experts
     must divide over them); ``microbatches``: m; ``ffn_retries``: reruns of a micro-batch
     whose FFN call failed before its requests fail; ``remote_ffn``: instead of ``ffn_devices``,
-    a :class:`~pdjax.disagg.afd_remote.RemoteFFN` (the FFN side in another process). ``slots`` must split into m equal runs
+    a :class:`~pdjax.disagg.afd_process.RemoteFFN` (the FFN side in another process). ``slots`` must split into m equal runs
     on every attention rank, and a micro-batch's rows (slots/m) over the FFN ranks."""
 
     def __init__(self, params, cfg: ModelConfig, devices, mesh_axes: dict, *, ffn_devices=None, remote_ffn=None,

@@ -1,11 +1,11 @@
 """AF disaggregation across processes: the FFN side as its own process (``pdjax serve --role
-ffn``), the attention side (:class:`~pdjax.disagg.afd.AFDEngine` with ``ffn_address=``) in
+ffn``), the attention side (:class:`~pdjax.disagg.afd_engine.AFDEngine` with ``ffn_address=``) in
 another.
 
 :class:`FFNServer` holds an :class:`~pdjax.disagg.afd_ffn.FFNPool` on its process's devices
 and serves any number of attention engines, each on its own control connection.
 :class:`RemoteFFN` is the attention side's end: it is both seams
-:class:`~pdjax.disagg.afd_pool.AFDPool` calls (the exchange and the FFN pool), so the pool's
+:class:`~pdjax.disagg.afd_attention.AFDPool` calls (the exchange and the FFN pool), so the pool's
 step, its retries and its checksums are the in-process ones.
 
 One MoE layer of one micro-batch: ``to_ffn`` offers the sealed A2F piece slices (one
@@ -17,7 +17,7 @@ the experts, offers its sealed output the same way and answers ``out{id, desc, w
 ``to_attention`` waits for that answer and pulls. Only descriptors cross the control
 connection; the arrays move between the transfer servers, never through Python. A failure on the FFN side answers
 ``error{id, error}``; a dead FFN process ends the connection: both raise in ``to_attention``
-(the pool's :class:`~pdjax.disagg.afd_pool.FFNError`: the micro-batch is run again, then its
+(the pool's :class:`~pdjax.disagg.afd_attention.FFNError`: the micro-batch is run again, then its
 requests fail alone).
 
 The hello: the FFN process says how many ranks it has and the checksums of the routed experts
@@ -68,7 +68,7 @@ def routed_fingerprint(params) -> list:
 class RemoteFFN:
     """The attention side's end of an FFN process at ``address`` (``host:port``): connects
     and reads its hello (``ranks``: its FFN ranks); :meth:`bind` to the attention mesh, then
-    it is the exchange and FFN-pool seams of :class:`~pdjax.disagg.afd_pool.AFDPool` (see the
+    it is the exchange and FFN-pool seams of :class:`~pdjax.disagg.afd_attention.AFDPool` (see the
     module docstring). ``timeout_s``: the deadline of every answer and pull."""
 
     def __init__(self, address: str, *, timeout_s: float = 60.0):

@@ -2,7 +2,7 @@
 
 M attention devices, data-parallel, own the paged latent KV cache, the decode scheduler,
 the dense layers, the attention, the router, the shared experts and the sampling
-(:class:`~pdjax.disagg.afd_pool.AFDPool`); N FFN devices hold the routed experts,
+(:class:`~pdjax.disagg.afd_attention.AFDPool`); N FFN devices hold the routed experts,
 expert-parallel, stateless (:class:`~pdjax.disagg.afd_ffn.FFNPool`). Every decode step runs
 m micro-batches in ping-pong: per MoE layer, each micro-batch's normed hidden states with its
 top-k expert ids and weights go to the FFN devices (A2F), its experts run there, and the
@@ -19,7 +19,7 @@ latents are written straight into the attention ranks' paged cache).
 hidden states; ``routing_bytes``: expert ids, weights and the valid mask, counted apart;
 ``f2a_bytes``: the experts' output; ``check_bytes``: the exchange's checksums), FFN
 failures, ``exchange_corrupt`` (micro-batch steps whose exchange delivered a piece that
-failed its checksum: each was run again; see :mod:`pdjax.disagg.afd_pool`), and, when
+failed its checksum: each was run again; see :mod:`pdjax.disagg.afd_attention`), and, when
 ``eng.timeline`` is a
 :class:`~pdjax.disagg.timeline.Timeline`, the per-stage times (:func:`stage_times`) and the
 measured spans (streams "attention", "a2f", "ffn", "f2a").
@@ -32,7 +32,7 @@ import math
 
 from pdjax.arguments import check_int
 from pdjax.config import ModelConfig
-from pdjax.disagg.afd_pool import AFDPool
+from pdjax.disagg.afd_attention import AFDPool
 from pdjax.disagg.engine import Engine
 
 MAX_MICROBATCHES = 4
@@ -73,7 +73,7 @@ class AFDEngine(Engine):
     or, instead of ``ffn_devices``, ``ffn_address``: the control address of an FFN process
     (``pdjax serve --role ffn``, :func:`~pdjax.disagg.launcher.launch_ffn`), N its ranks,
     ``ffn_timeout_s`` the deadline of each of its answers and pulls
-    (:mod:`pdjax.disagg.afd_remote`);
+    (:mod:`pdjax.disagg.afd_process`);
     ``num_microbatches``: m in 1..4; ``max_decode_slots``: a multiple of m * lcm(M, N)
     (default that product); ``prefill_mesh``: the attention devices' mesh (default
     {"expert": M} when the experts divide over M, else {"data": M}); ``ffn_retries``: reruns
@@ -90,7 +90,7 @@ class AFDEngine(Engine):
         attention_devices = list(attention_devices)
         remote = None
         if ffn_address is not None:
-            from pdjax.disagg.afd_remote import RemoteFFN
+            from pdjax.disagg.afd_process import RemoteFFN
             remote = RemoteFFN(ffn_address, timeout_s=ffn_timeout_s)      # its hello: how many FFN ranks
         try:
             ffn = list(ffn_devices) if remote is None else remote.ranks
