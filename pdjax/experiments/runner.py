@@ -29,7 +29,7 @@ from pdjax.experiments import progress, results, rundir, schema
 #: The experiment kinds, each the module ``pdjax.experiments.<kind>`` and the shipped config
 #: ``pdjax/experiments/configs/<kind>.toml``.
 KINDS = ("quickstart", "bubble_sweep", "dbo_sweep", "pd_vs_colocated", "afd_ratio", "executed_bubbles",
-         "schedule_search", "colocated_vs_pd", "pd_ratio_sweep", "afd_ratio_sweep", "link_bandwidth",
+         "schedule_search", "sim_pd_vs_colocated", "pd_ratio_sweep", "afd_ratio_sweep", "link_bandwidth",
          "prefix_cache_capacity", "deployment_validation")
 
 

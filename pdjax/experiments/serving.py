@@ -1,6 +1,6 @@
 """What the serving-simulator experiments (:mod:`pdjax.sim`) share: their common config
 tables (the base schema :class:`Serving`) and helpers. Each experiment is a module of its
-own: ``colocated_vs_pd``, ``pd_ratio_sweep``, ``afd_ratio_sweep``, ``link_bandwidth``,
+own: ``sim_pd_vs_colocated``, ``pd_ratio_sweep``, ``afd_ratio_sweep``, ``link_bandwidth``,
 ``prefix_cache_capacity``.
 
 Shared tables: ``[model]`` ``preset``; ``[hardware]`` ``name`` (a preset), ``dtype``

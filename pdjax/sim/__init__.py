@@ -12,7 +12,7 @@ Modules (one concept each): ``cost`` (the cost-model protocol, LinearStepCost),
 ``policies`` (balancers, chunk sizing), ``instances`` / ``colocated`` / ``afd_step`` (step planning),
 ``deployment`` (specs), ``controller`` (dynamic P:D), ``simulator`` (the event loop), ``result``,
 ``metrics``, ``sweeps`` (ratio sweeps and the SLO rate search); the experiments built on them:
-one module per kind in :mod:`pdjax.experiments` (``colocated_vs_pd``, ``pd_ratio_sweep``, ...).
+one module per kind in :mod:`pdjax.experiments` (``sim_pd_vs_colocated``, ``pd_ratio_sweep``, ...).
 Pure Python + numpy (matplotlib for plots); no jax. See docs/sim.md.
 
 ``__all__`` is the face a notebook starts with; every other name is importable from its

@@ -11,11 +11,11 @@ import tomllib
 
 import pytest
 
-from pdjax.experiments import cli, colocated_vs_pd, runner, serving
+from pdjax.experiments import cli, sim_pd_vs_colocated, runner, serving
 
 TOMLS = sorted(str(p) for p in runner.shipped_configs().iterdir() if p.name.endswith(".toml"))
 
-TINY_SIM = """kind = "colocated_vs_pd"
+TINY_SIM = """kind = "sim_pd_vs_colocated"
 name = "tiny_sim"
 [hardware]
 ep_size = 32
@@ -74,7 +74,7 @@ def links(report: str) -> list[str]:
 # ---- 1. config errors name the key, before anything runs -----------------------------------
 @pytest.mark.parametrize("config, override, message", [
     ("pd_ratio_sweep", 'sweep.instances="16"', "sweep.instances: expected int, got str"),
-    ("colocated_vs_pd", "deployment.num_prefill=2", "deployment.num_prefill: unknown key"),
+    ("sim_pd_vs_colocated", "deployment.num_prefill=2", "deployment.num_prefill: unknown key"),
     ("prefix_cache_capacity", "workload.rate=true", "workload.rate: expected float, got bool"),
     ("afd_ratio_sweep", 'sweep.pairs=[[3, "1"]]', "sweep.pairs[0][1]: expected int, got str"),
     ("link_bandwidth", "search.lo=0", "search.lo: must be > 0, got 0.0"),
@@ -117,12 +117,12 @@ def test_set_overrides_land_in_config_json(tmp_path, tiny_sim):
     c = saved["config"]
     assert (c["sweep"]["rates"], c["workload"]["seed"], c["scale"], c["slo"]["target"]) == ([4.0, 8.0], 3, 2, 0.8)
     assert c["search"]["duration"] is None and c["hardware"]["cost"] == "linear"      # defaults filled in
-    with open(os.path.join(run_dir, "colocated_vs_pd.csv")) as f:
+    with open(os.path.join(run_dir, "sim_pd_vs_colocated.csv")) as f:
         assert {float(r["rate"]) for r in csv.DictReader(f)} == {4.0, 8.0}             # and they ran
 
 
 # ---- 3. the files of a run ----------------------------------------------------------------
-@pytest.mark.parametrize("text, table", [(TINY_SIM, "colocated_vs_pd"), (TINY_BUBBLES, "bubble_sweep"),
+@pytest.mark.parametrize("text, table", [(TINY_SIM, "sim_pd_vs_colocated"), (TINY_BUBBLES, "bubble_sweep"),
                                          (TINY_DBO, "dbo_gain")], ids=["sim", "bubble_sweep", "dbo_sweep"])
 def test_run_directory_holds_config_metrics_tables_plots_and_a_linked_report(tmp_path, text, table):
     path = tmp_path / "c.toml"
@@ -153,7 +153,7 @@ def test_report_rebuilds_identically_without_recomputing(tmp_path, tiny_sim, mon
 
     def no_compute(*args, **kwargs):
         raise AssertionError("pdjax report recomputed the experiment")
-    monkeypatch.setattr(colocated_vs_pd, "simulate_serving", no_compute)
+    monkeypatch.setattr(sim_pd_vs_colocated, "simulate_serving", no_compute)
     monkeypatch.setattr(serving, "max_rate_under_slo", no_compute)
     assert cli.main(["report", run_dir]) == 0
     assert open(report).read() == written
@@ -198,7 +198,7 @@ def test_progress_goes_to_stderr_and_quiet_silences_it(tmp_path, tiny_sim, capsy
     runs = str(tmp_path / "runs")
     assert cli.main(["run", tiny_sim, "--runs-dir", runs]) == 0
     out, err = capsys.readouterr()
-    assert "colocated_vs_pd: rates" in err and "highest rate" in out and "colocated_vs_pd: rates" not in out
+    assert "sim_pd_vs_colocated: rates" in err and "highest rate" in out and "sim_pd_vs_colocated: rates" not in out
     assert cli.main(["run", tiny_sim, "--runs-dir", runs, "--quiet"]) == 0
     out, err = capsys.readouterr()
     assert err == ""
@@ -206,4 +206,4 @@ def test_progress_goes_to_stderr_and_quiet_silences_it(tmp_path, tiny_sim, capsy
     for run_dir in glob.glob(os.path.join(runs, "*", "*")):                # never into results
         for name in os.listdir(run_dir):
             if name.endswith((".md", ".json", ".csv")):
-                assert "colocated_vs_pd: rates" not in open(os.path.join(run_dir, name)).read()
+                assert "sim_pd_vs_colocated: rates" not in open(os.path.join(run_dir, name)).read()

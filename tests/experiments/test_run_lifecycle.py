@@ -23,7 +23,7 @@ SMALL_SWEEP = ["--set", "sweep.num_stages=[4]", "--set", "sweep.microbatch_multi
 @pytest.mark.parametrize("kind, overrides, message", [
     ("bubble_sweep", ["costs.F=nan"], "costs.F: must be a finite number, got nan"),
     ("link_bandwidth", ["slo.ttft=inf"], "slo.ttft: must be a finite number, got inf"),
-    ("colocated_vs_pd", ['workload.input={kind = "lognormal", mean = nan}'],
+    ("sim_pd_vs_colocated", ['workload.input={kind = "lognormal", mean = nan}'],
      "workload.input.mean: must be a finite number, got nan"),
     ("dbo_sweep", ["sweep.attn_shares=[1.5]"], "sweep.attn_shares: each must lie in [0, 1]"),
     ("executed_bubbles", ["run.microbatches=3"], "run.schedules: dualpipe at ranks = 2, microbatches = 3"),

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from pdjax.experiments import colocated_vs_pd, prefix_cache_capacity, results, runner, serving
+from pdjax.experiments import sim_pd_vs_colocated, prefix_cache_capacity, results, runner, serving
 
 SMALL = {
     "model": {"preset": "deepseek_v3"},
@@ -17,7 +17,7 @@ SMALL = {
 
 
 @pytest.mark.parametrize("kind,extra", [
-    ("colocated_vs_pd", {"deployment": {"instances": 2, "prefill": 1}, "sweep": {"rates": [10, 20]}}),
+    ("sim_pd_vs_colocated", {"deployment": {"instances": 2, "prefill": 1}, "sweep": {"rates": [10, 20]}}),
     ("pd_ratio_sweep", {"sweep": {"instances": 3, "prefill": [1, 2]}}),
     ("afd_ratio_sweep", {"sweep": {"pairs": [[2, 1]], "prefill": 2, "microbatches": 2}}),
     ("link_bandwidth", {"sweep": {"instances": 2, "prefill": 1, "link_gbps_per_gpu": [1, 50]}}),
@@ -44,11 +44,11 @@ def test_experiment_runners_write_their_outputs(tmp_path, kind, extra):
     ({"pd": {"token_budget": "big"}}, "pd: PDDisaggregated.token_budget"),
 ])
 def test_serving_configs_are_checked_before_simulating(tmp_path, monkeypatch, change, message):
-    for module in (colocated_vs_pd, prefix_cache_capacity):
+    for module in (sim_pd_vs_colocated, prefix_cache_capacity):
         monkeypatch.setattr(module, "simulate_serving", lambda *a, **k: pytest.fail("simulated a bad config"))
     monkeypatch.setattr(serving, "max_rate_under_slo", lambda *a, **k: pytest.fail("simulated a bad config"))
     cfg = {**SMALL, "deployment": {"instances": 2, "prefill": 1}, **change}
-    kind = "colocated_vs_pd"
+    kind = "sim_pd_vs_colocated"
     if "sweep" in change:
         cfg.pop("deployment")
         kind = "link_bandwidth"

@@ -63,12 +63,12 @@ def run(c: Config, out_dir: str) -> Result:
     deployments = {"colocated": Colocated(n, token_budget=c.deployment.colocated_token_budget),
                    f"{p}P{n - p}D": PDDisaggregated(p, n - p, **serving.pd_kwargs(c, link))}
     rows = []
-    for rate in progress.track(c.sweep.rates, "colocated_vs_pd: rates"):
+    for rate in progress.track(c.sweep.rates, "sim_pd_vs_colocated: rates"):
         reqs = workload_at_rate(c.workload, rate, c.search.duration)
         for label, dep in deployments.items():
             s = simulate_serving(dep, cost, reqs, slo=slo).summary
             rows.append({"rate": rate, "deployment": label, **_pick(s)})
-    with progress.counter("colocated_vs_pd: highest-rate search (simulations)") as advance:
+    with progress.counter("sim_pd_vs_colocated: highest-rate search (simulations)") as advance:
         best = {label: serving.search_rate(rate_runner(c.workload, dep, cost, slo, c.search.duration), c, target,
                                            advance)["rate"]
                 for label, dep in deployments.items()}
@@ -77,5 +77,5 @@ def run(c: Config, out_dir: str) -> Result:
     (lc, rc), (lp, rp) = best.items()
     headline = (f"highest rate with {target:.0%} SLO attainment on {n} instances: {lc} {rc:.2f} req/s, "
                 f"{lp} {rp:.2f} req/s ({(rp / rc - 1) * 100 if rc else math.inf:+.0f} % for PD)")
-    return serving.result("Colocated vs PD-disaggregated goodput", "colocated_vs_pd", headline, rows, fig,
+    return serving.result("Colocated vs PD-disaggregated goodput", "sim_pd_vs_colocated", headline, rows, fig,
                           max_rate=best)
