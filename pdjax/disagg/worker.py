@@ -1,5 +1,5 @@
 """The prefill side of an attempt, whatever drives it: one copy for the in-process engines'
-worker threads and the prefill process of two-process serving.
+worker threads and the prefill process of serving across processes.
 
 :class:`PrefillWorker.run` takes a :class:`PrefillJob` (what the decode scheduler's
 ``StartPrefill`` asks for: the prompt, the attempt, the decode rank that reserved its
