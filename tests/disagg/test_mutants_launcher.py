@@ -1,10 +1,12 @@
 """The PD launcher's restart of a decode instance, without processes: its control
 connection is closed and marked down at once, so the cluster closes cleanly while the new
 process is still starting (found unpinned by mutation testing: a down instance's connection
-left as anything but None broke ``close()``)."""
+left as anything but None broke ``close()``), and the error of a role that keeps dying."""
 
 import queue
 import threading
+
+import pytest
 
 from pdjax.disagg.launcher import PDCluster
 
@@ -43,3 +45,16 @@ def test_a_restarting_decode_instance_is_down_and_the_cluster_still_closes():
     cluster.close()                               # while decode1's new process is still starting
     assert procs.closed and _Ctl.closed == 2      # decode0's connection too
     assert cluster._events.get(timeout=10)[:2] == ("up", 1)
+
+
+def test_a_role_dying_more_than_max_restarts_in_one_generate_fails_naming_it_and_its_last_lines():
+    cluster = object.__new__(PDCluster)
+    cluster.prefill_info = {"control": "127.0.0.1:1"}
+    cluster.log_tail = lambda name, lines=60: f"<last lines of {name}>"
+    deaths = {"decode": 3, "prefill": 0}
+    with pytest.raises(RuntimeError, match=r"the decode processes died 4 times in one generate; decode1's last "
+                                           r"output lines:\n<last lines of decode1>"):
+        cluster._recover(1, None, deaths, 3)
+    with pytest.raises(RuntimeError, match=r"the prefill processes died 1 times .*prefill's last output lines:\n"
+                                           r"<last lines of prefill>"):
+        cluster._recover(0, {"op": "prefill_lost"}, {"decode": 0, "prefill": 0}, 0)
