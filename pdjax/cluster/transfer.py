@@ -27,13 +27,14 @@ for another interface) with port 0 (a random free port the OS picks).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import glob
 import itertools
 import json
 import math
 import os
 import secrets
-import shutil
 import socket
 import struct
 import tempfile
@@ -226,8 +227,11 @@ class ArraySender:
         self.transport = transport
         if transport == SHM:
             self.server, self.address = None, SHM
-            self._dir = tempfile.mkdtemp(prefix="pdjax-arrays-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-            weakref.finalize(self, shutil.rmtree, self._dir, True)     # at the latest when this process ends
+            # files, no directory: a pulled offer leaves nothing behind, even in a process that
+            # is killed; what was never pulled goes at close() or when this process ends
+            root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+            self._prefix = os.path.join(root, f"pdjax-arrays-{os.getpid()}-{secrets.token_hex(4)}-")
+            weakref.finalize(self, _remove_offers, self._prefix)
         else:
             self.server = server or start_transfer_server()
             self.address = self.server.address()
@@ -255,7 +259,7 @@ class ArraySender:
                       "layout": layout(a.sharding, a.shape)} for a in arrays]
         if self.transport == SHM:
             for i, (a, d) in enumerate(zip(arrays, described)):
-                d["path"] = os.path.join(self._dir, f"{uuid}-{i}")
+                d["path"] = f"{self._prefix}{uuid}-{i}"
                 with open(d["path"] + ".part", "wb") as f:
                     f.write(np.asarray(a).tobytes())
                 os.replace(d["path"] + ".part", d["path"])      # whole, or not there
@@ -270,7 +274,14 @@ class ArraySender:
     def close(self) -> None:
         """Remove what was offered and not pulled (shared memory)."""
         if self.transport == SHM:
-            shutil.rmtree(self._dir, ignore_errors=True)
+            _remove_offers(self._prefix)
+
+
+def _remove_offers(prefix: str) -> None:
+    """Remove the shared-memory files of a sender's offers that were never pulled."""
+    for path in glob.glob(glob.escape(prefix) + "*"):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 class ArrayReceiver:
