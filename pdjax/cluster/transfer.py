@@ -261,7 +261,7 @@ class ArraySender:
             for i, (a, d) in enumerate(zip(arrays, described)):
                 d["path"] = f"{self._prefix}{uuid}-{i}"
                 with open(d["path"] + ".part", "wb") as f:
-                    f.write(np.asarray(a).tobytes())
+                    f.write(np.ascontiguousarray(np.asarray(a)).view(np.uint8))   # its bytes, no copy
                 os.replace(d["path"] + ".part", d["path"])      # whole, or not there
         else:
             deadline = datetime.datetime.now() + datetime.timedelta(seconds=self.ttl_s)
@@ -312,7 +312,9 @@ class ArrayReceiver:
         raises TimeoutError naming the uuid. A link that breaks mid-pull (the sender's process
         died) raises ConnectionError, as a broken control connection does, so a reader treats
         it as the sender lost (jax raises a JaxRuntimeError)."""
-        one = {k: desc.get(k) for k in ("shape", "dtype", "nbytes", "layout", "path") if k in desc or k != "path"}
+        one = {k: desc.get(k) for k in ("shape", "dtype", "nbytes", "layout")}
+        if "path" in desc:                    # a shared-memory offer
+            one["path"] = desc["path"]
         (rows,) = self.pull_all({"uuid": desc["uuid"], "arrays": [one], "nbytes": desc["nbytes"]}, [target],
                                 timeout_s)
         return rows
@@ -373,8 +375,8 @@ def _read_shared(desc: dict, spec, uuid: int) -> jax.Array:
 def wait_pulled(rows: jax.Array, uuid: int, timeout_s: float, deadline: float | None = None) -> None:
     """Block until the pulled ``rows`` arrived, at most ``timeout_s`` seconds (the pull
     returns an array future at once). A helper thread waits on the array and this one on the
-    thread, with the deadline: the array is taken the moment it lands (polling ``is_ready``
-    with a backoff cost up to its last pause per pull: tens of ms per pipeline step).
+    thread, with the deadline: the caller wakes the moment the array lands (a backoff poll of
+    ``is_ready`` woke up to its last pause, 20 ms, late).
     ``deadline``: a ``time.monotonic()`` shared by the arrays of one pull (default now +
     ``timeout_s``). A pull that never lands leaves its (daemon) waiter blocked."""
     deadline = time.monotonic() + timeout_s if deadline is None else deadline

@@ -342,9 +342,7 @@ class PDCluster:
         if gen != self._gen[k]:
             last = {}
         out = {key: (v - last.get(key, 0) if key not in HELD and _is_count(v) else v) for key, v in now.items()}
-        if "pull_seconds" in out:
-            out["link_throughput_Bps"] = out["kv_bytes_received"] / out["pull_seconds"] if out["pull_seconds"] else 0.0
-        return out
+        return _with_throughput(out)
 
     def close(self) -> None:
         """SIGKILL every process (and wait for it)."""
@@ -374,9 +372,16 @@ def _summed(counters: list[dict]) -> dict:
         for key, v in c.items():
             if _is_count(v):
                 out[key] = out.get(key, 0) + v
-    if "pull_seconds" in out:
-        out["link_throughput_Bps"] = out["kv_bytes_received"] / out["pull_seconds"] if out["pull_seconds"] else 0.0
-    return out
+    return _with_throughput(out)
+
+
+def _with_throughput(counters: dict) -> dict:
+    """``counters`` with ``link_throughput_Bps`` recomputed from its bytes and pull seconds
+    (a rate does not add up or subtract)."""
+    if "pull_seconds" in counters:
+        s = counters["pull_seconds"]
+        counters["link_throughput_Bps"] = counters["kv_bytes_received"] / s if s else 0.0
+    return counters
 
 
 def launch_pd(preset: str = "tiny", seed: int = 0, *, num_decode: int = 1, **kwargs) -> PDCluster:

@@ -129,11 +129,11 @@ def report_table(rows) -> str:
 
 
 def host_cores() -> int:
-    """The CPU cores this process may run on (the rank processes are pinned among them)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:                  # no affinity API on this platform
-        return os.cpu_count() or 1
+    """How many CPU cores this process may run on (the rank processes are pinned among them:
+    :func:`pdjax.cluster.launch.available_cores`)."""
+    from pdjax.cluster.launch import available_cores
+
+    return len(available_cores())
 
 
 def placement(r: Run, cores: int) -> str:

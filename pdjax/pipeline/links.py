@@ -16,8 +16,8 @@ sharding, then a mailbox. :class:`ProcessLink`: the consumer in another process 
 ``jax.distributed`` launch; the arrays move with :class:`~pdjax.cluster.transfer.ArraySender`
 / :class:`~pdjax.cluster.transfer.ArrayReceiver` (the transfer primitives of the KV link and
 the AF exchange: every pull has a deadline and a layout check; between CPU processes of one
-host their shared-memory transport), the descriptor through the cluster's key-value store (:mod:`pdjax.cluster.store`) under a name both sides derive from
-the step and the key.
+host their shared-memory transport), the descriptor through the cluster's key-value store
+(:mod:`pdjax.cluster.store`) under a name both sides derive from the step and the key.
 """
 
 from __future__ import annotations
@@ -31,6 +31,13 @@ import jax
 from pdjax.cluster import store
 
 POLL_S = 1.0            # how often a wait looks whether another rank failed
+
+
+def source_stage(layout, key) -> int:
+    """The stage that produces the value ``key``: an activation comes from the stage before,
+    a gradient from the stage after."""
+    kind, stage, _ = key
+    return layout.prev_stage[stage] if kind == "act" else layout.next_stage[stage]
 
 
 class Aborted(Exception):

@@ -5,9 +5,9 @@ Multi-controller, as the rest of JAX: every process of the launch builds the sam
 same params and batch; each process compiles and runs only its own ranks (a rank's devices
 are all in one process). A value for a stage of another process crosses a
 :class:`~pdjax.pipeline.links.ProcessLink`: the producer offers it on its
-:class:`~pdjax.cluster.transfer.ArraySender` once its op's end is recorded and puts the
-descriptor in the cluster's key-value store (:mod:`pdjax.cluster.store`) under a name both
-sides derive from the step and the value's key; the consumer's rank waits for it when its op
+:class:`~pdjax.cluster.transfer.ArraySender` as its op's last step and, once the op's end is
+recorded, puts the descriptor in the cluster's key-value store (:mod:`pdjax.cluster.store`)
+under a name both sides derive from the step and the value's key; the consumer's rank waits for it when its op
 needs the value (idle time before the op, with the executor's ``timeout_s`` as its
 deadline), then pulls it with its :class:`~pdjax.cluster.transfer.ArrayReceiver` (a deadline
 and a layout check on every pull). (A pull issued before the offer usually lands when the
@@ -17,8 +17,9 @@ After the ranks' work, one jitted sum over a mesh of one device per process (a g
 all-reduce) gives every process the loss and the gradients, replicated over that mesh
 (:attr:`Spanning.replicated`; params given in that placement keep a training loop on it).
 When measuring, the processes' op times, peaks and per-stage bytes are gathered too, on one
-clock: the processes pass a barrier (the coordinator's) and each times its ops from its exit (on one host every
-process reads the same monotonic clock, so their absolute times are used as they are).
+clock: the processes pass a barrier (the coordinator's) and each times its ops from its exit
+(on one host every process reads the same monotonic clock, so their absolute times are used
+as they are).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from pdjax.cluster import store
 from pdjax.cluster.transfer import SHM, ArrayReceiver, ArraySender, start_transfer_server
-from pdjax.pipeline.links import ProcessLink
+from pdjax.pipeline.links import ProcessLink, source_stage
 
 _ADDRESS_BYTES = 256
 COMPILE_WAIT_S = 3600.0
@@ -137,14 +138,12 @@ class Spanning:
                     continue
                 proc = ex.ranks[lay.stage_rank[src]].devices[0].process_index
                 wire = ex.ranks[lay.stage_rank[s]].batch(len(spec.shape))
-                for m in _microbatches(lay, s):
+                for m in lay.pipeline_of_stage(s).microbatches:
                     incoming[(kind, s, m)] = (proc, wire, spec.sharding)
 
         def outgoing_sharding(key, ndim):
             """The producer's rank, the batch split as the consumer's rank splits it."""
-            kind, stage, _ = key
-            src = lay.prev_stage[stage] if kind == "act" else lay.next_stage[stage]
-            return ex.ranks[lay.stage_rank[src]].batch(ndim)
+            return ex.ranks[lay.stage_rank[source_stage(lay, key)]].batch(ndim)
         return ProcessLink(self.sender, self.receivers, f"pdjax/pipeline/{self.nonce}/{self.steps}/values",
                            incoming, outgoing_sharding, ex.timeout_s)
 
@@ -223,10 +222,3 @@ class Spanning:
         run.peak = np.sum([part["peak"] for part in parts], axis=0)
         run.stage_memory = {k: np.sum([part["stage_memory"][k] for part in parts], axis=0)
                             for k in run.stage_memory}
-
-
-def _microbatches(lay, s: int):
-    for pipe in lay.pipelines:
-        if s in pipe.stages:
-            return pipe.microbatches
-    return ()

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pdjax.pipeline.links import Aborted, LocalLink
+from pdjax.pipeline.links import Aborted, LocalLink, source_stage
 from pdjax.schedules.ops import BACKWARD_INPUT, FORWARD, FULL_BACKWARD, OverlapFB
 from pdjax.schedules.simulate import measured_timeline
 
@@ -142,9 +142,7 @@ class StepRun:
     def _received(self, key):
         """A value from another stage, from the link its producer is on; when measuring, wait
         until it has landed (its transfer shows as idle time before the op, not inside it)."""
-        kind, stage, _ = key
-        src = self.layout.prev_stage[stage] if kind == "act" else self.layout.next_stage[stage]
-        link = self.local if self.local_stage[src] else self.remote
+        link = self.local if self.local_stage[source_stage(self.layout, key)] else self.remote
         value = link.expect(key, lambda: self.failed is not None)
         if self.ex.measure:
             jax.block_until_ready(value)
