@@ -20,7 +20,7 @@ connection; the arrays move between the transfer servers, never through Python. 
 (the pool's :class:`~pdjax.disagg.afd_attention.FFNError`: the micro-batch is run again, then its
 requests fail alone).
 
-The hello: the FFN process says how many ranks it has and the checksums of the routed experts
+The messages are :data:`pdjax.disagg.wire.ATTENTION_FFN`. The hello: the FFN process says how many ranks it has and the checksums of the routed experts
 it holds (:func:`routed_fingerprint`); the attention side refuses params whose routed
 experts differ (another seed or checkpoint: every token would be wrong, silently).
 """
@@ -39,10 +39,12 @@ import numpy as np
 
 from pdjax.arguments import check_int, check_positive
 from pdjax.cluster.supervisor import Supervisor, announce_ready, device_environ
-from pdjax.cluster.transfer import LOOPBACK, ArrayReceiver, ArraySender, Control, listen, start_transfer_server
+from pdjax.cluster.messages import Channel
+from pdjax.cluster.transfer import LOOPBACK, ArrayReceiver, ArraySender, listen, start_transfer_server
 from pdjax.disagg.afd_ffn import ROUTED, FFNPool, incoming, leaf_bytes, outgoing
 from pdjax.disagg.link import bit_sums
 from pdjax.disagg.prefill_server import ready_info
+from pdjax.disagg.wire import ATTENTION_FFN
 
 A2F_TREE = jax.tree.structure(((0, 0, 0, 0), 0))        # sealed (normed x, weights, ids, valid), sums
 F2A_TREE = jax.tree.structure((0, 0))                   # sealed routed output, sums
@@ -73,15 +75,12 @@ class RemoteFFN:
 
     def __init__(self, address: str, *, timeout_s: float = 60.0):
         self.address, self.timeout_s = address, timeout_s
-        self.ctl = Control.connect(address)
+        self.ctl = Channel.connect(address, ATTENTION_FFN, "attention")
         try:
-            hello = self.ctl.recv(timeout=timeout_s)
+            hello = self.ctl.expect("hello", timeout=timeout_s)
         except BaseException:
             self.ctl.close()
             raise
-        if hello is None or hello.get("op") != "hello":
-            self.ctl.close()
-            raise ConnectionError(f"the FFN process at {address} sent no hello: {hello!r}")
         self.hello, self.ranks = hello, int(hello["ranks"])
         self.attention_mesh = None
         self._ids = itertools.count()
@@ -162,9 +161,9 @@ class FFNServer:
         announce_ready(ready_info("ffn", self.listener, self.sender.address))
         while True:
             sock, _ = self.listener.accept()
-            threading.Thread(target=self._serve, args=(Control(sock),), daemon=True).start()
+            threading.Thread(target=self._serve, args=(Channel(sock, ATTENTION_FFN, "ffn"),), daemon=True).start()
 
-    def _serve(self, ctl: Control) -> None:
+    def _serve(self, ctl: Channel) -> None:
         try:
             ctl.send({"op": "hello", "transfer": self.sender.address, "ranks": int(self.pool.mesh.devices.size),
                       "fingerprint": self.fingerprint})
@@ -174,10 +173,11 @@ class FFNServer:
             receiver = ArrayReceiver(hello["transfer"], server=self.sender.server, timeout_s=self.pull_timeout_s)
             ranks = int(hello["ranks"])
             while (msg := ctl.recv()) is not None:
-                if msg.get("op") == "moe":
-                    ctl.send(self._call(msg, receiver, ranks))
-        except (OSError, ValueError):
+                ctl.send(self._call(msg, receiver, ranks))      # "moe": the one op after hello
+        except OSError:
             pass                                   # the attention side went away
+        except ValueError as e:                    # a message off the protocol: this connection ends
+            print(f"pdjax ffn: {e}", file=sys.stderr, flush=True)
         finally:
             ctl.close()
 

@@ -14,13 +14,13 @@ If the prefill process dies (its control connection ends), every attempt in flig
 (its request is prefilled again), the client is told (``prefill_lost``), and new prefill
 jobs wait until the client sends the address of a restarted prefill process (``prefill``).
 
-Client messages: ``hello{prefill}``, ``generate{request, prompt, max_new_tokens, sampling,
-stop_tokens[, handoff_timeout_s, prefix_cache, retention]}``, ``prefill{address}``,
-``stats`` (the link's and the scheduler's counters and what the pool holds: :meth:`DecodeServer.held`),
-``shutdown``; to the client: ``token{request, token}``, ``done{request, tokens |
-error, kv_bytes, prefill_attempts, handoff_timeouts, prefix_hit_tokens, prefix_errors}``,
-``stats{...}``, ``prefill_lost{why, address}`` (the address of the prefill process lost; a
-``prefill{address}`` while connected replaces the connection, failing what was sent there).
+The messages both ways are :data:`pdjax.disagg.wire.CLIENT_DECODE` (``hello``, ``generate``,
+``prefill{address}``, ``stats``; back ``token``, ``done``, ``stats{counters}``: the link's and
+the scheduler's counters and what the pool holds, :meth:`DecodeServer.held`, and
+``prefill_lost{why, address}``: the address of the prefill process lost; a
+``prefill{address}`` while connected replaces the connection, failing what was sent there),
+and :data:`pdjax.disagg.wire.DECODE_PREFILL` to the prefill process. A client's closed
+connection shuts the process down.
 Everything binds to ``host`` (default loopback); each pull has a deadline (``pull_timeout_s``).
 """
 
@@ -42,9 +42,10 @@ from pdjax.disagg.clock import Clock
 from pdjax.disagg.request import Request, RequestError, SamplingParams, validate_request
 from pdjax.disagg.scheduler import (CancelPrefill, DecodeScheduler, Failed, Finished, LayerArrived, StartPrefill,
                                     Submit, Token)
-from pdjax.cluster.transfer import LOOPBACK, ArrayReceiver, Control, listen, start_transfer_server
+from pdjax.cluster.messages import Channel
+from pdjax.cluster.transfer import LOOPBACK, ArrayReceiver, listen, start_transfer_server
 from pdjax.disagg.link import TransferLink
-from pdjax.disagg.wire import PrefillJob, event_from_wire
+from pdjax.disagg.wire import CLIENT_DECODE, DECODE_PREFILL, PrefillJob, event_from_wire
 
 
 class DecodeServer:
@@ -69,8 +70,8 @@ class DecodeServer:
                                      handoff_timeout_s=handoff_timeout_s, checksum=checksum)
         self.loop = DecodeLoop(self.sched, self.pool, self.clock, self._carry)
         self.link: TransferLink | None = None
-        self.prefill: Control | None = None     # None: the prefill process is gone, jobs wait
-        self.client: Control | None = None
+        self.prefill: Channel | None = None     # None: the prefill process is gone, jobs wait
+        self.client: Channel | None = None
         self.unsent: list = []                  # prefill jobs waiting for a prefill process
         self.prefill_address: str | None = None
         self._generation = 0
@@ -78,10 +79,8 @@ class DecodeServer:
     def serve_forever(self) -> None:
         announce_ready(ready_info("decode", self.listener, self.server.address()))
         sock, _ = self.listener.accept()
-        self.client = Control(sock)
-        hello = self.client.recv()
-        if not hello or hello.get("op") != "hello":
-            raise ConnectionError(f"expected hello from the client, got {hello!r}")
+        self.client = Channel(sock, CLIENT_DECODE, "decode")
+        hello = self.client.expect("hello")
         self._connect_prefill(hello["prefill"], self.loop)
         threading.Thread(target=self._read_client, daemon=True).start()
         self.loop.run(until=lambda: False)
@@ -92,10 +91,8 @@ class DecodeServer:
         if old is not None:                       # replaced: what was sent there is lost with it
             self._prefill_lost(self._generation, "was replaced", loop)
             old.close()
-        ctl = Control.connect(address)
-        hello = ctl.recv()
-        if not hello or hello.get("op") != "hello":
-            raise ConnectionError(f"expected hello from the prefill process, got {hello!r}")
+        ctl = Channel.connect(address, DECODE_PREFILL, "decode")
+        hello = ctl.expect("hello")
         receiver = ArrayReceiver(hello["transfer_address"], self.server, timeout_s=self.pull_timeout_s)
         self.link = TransferLink(receiver=receiver)
         self._generation += 1
@@ -105,7 +102,7 @@ class DecodeServer:
             ctl.send(msg)
         self.unsent = []
 
-    def _read_prefill(self, ctl: Control, link: TransferLink, generation: int) -> None:
+    def _read_prefill(self, ctl: Channel, link: TransferLink, generation: int) -> None:
         """Prefill messages in order, as scheduler events on the loop's inbox. A pull that
         fails alone (past its deadline, a layout or size other than announced) fails its
         attempt, which is cancelled and prefilled again; a broken link is the prefill lost."""
@@ -158,9 +155,9 @@ class DecodeServer:
             self._connect_prefill(msg["address"], loop)
         elif op == "stats":
             r = self.link.receiver
-            self.client.send({"op": "stats", "kv_bytes_received": r.bytes_received, "pulls": r.pulls,
-                              "pull_seconds": r.pull_seconds, "link_throughput_Bps": r.throughput_Bps,
-                              **self.sched.stats, **self.held()})
+            self.client.send({"op": "stats", "counters": {
+                "kv_bytes_received": r.bytes_received, "pulls": r.pulls, "pull_seconds": r.pull_seconds,
+                "link_throughput_Bps": r.throughput_Bps, **self.sched.stats, **self.held()}})
         elif op == "generate":
             event = self._submit(msg)
             if isinstance(event, Request):            # bad input: fails alone, before any compute

@@ -27,9 +27,11 @@ import time
 
 from pdjax.arguments import check_int
 from pdjax.cluster.supervisor import LaunchError, Supervisor, device_environ
-from pdjax.cluster.transfer import LOOPBACK, Control
+from pdjax.cluster.messages import Channel
+from pdjax.cluster.transfer import LOOPBACK
 from pdjax.disagg.request import RequestError, SamplingParams
 from pdjax.disagg.router import Router, Tracked, least_loaded
+from pdjax.disagg.wire import CLIENT_DECODE
 
 PREFILL = 0                     # the prefill process's index on the supervisor; decode k is k + 1
 
@@ -147,7 +149,7 @@ class PDCluster:
 
     def _connect(self, k: int, info: dict) -> None:
         """Connect to decode instance ``k`` (ready with ``info``) and route requests to it."""
-        ctl = Control.connect(info["control"])
+        ctl = Channel.connect(info["control"], CLIENT_DECODE, "client")
         ctl.send({"op": "hello", "prefill": self.prefill_info["control"]})
         self._gen[k] += 1
         self._ctl[k] = ctl
@@ -318,7 +320,7 @@ class PDCluster:
             if self._recover_between_calls(k, msg):   # a death after the last result: recovered, not lost
                 continue
             if msg["op"] == "stats":
-                counters[k] = self._this_call(k, {key: v for key, v in msg.items() if key != "op"})
+                counters[k] = self._this_call(k, msg["counters"])
         per = []
         for r in reqs:
             d = r.done

@@ -9,17 +9,18 @@ compute); then ``ready`` with the first token and the chunks' checksums. ``cance
 attempt the decode side abandoned (dropped if queued, stopped at its next layer if running).
 A connection that closes drops its queued jobs (their offers expire).
 
-``link_wrapper`` (Python API only, no command-line flag): a callable
-``factory(link, server) -> link`` that wraps the transfer link; ``control_ops`` maps further
-control-message ops to handlers ``handler(message) -> reply`` (the fault tests' own entry
-point, tests/disagg/serve_faulty.py, installs both to inject failures, stalls, corruption
-and death).
+Its messages are :data:`pdjax.disagg.wire.DECODE_PREFILL`. ``link_wrapper`` (Python API
+only, no command-line flag): a callable ``factory(link, server) -> link`` that wraps the
+transfer link; :meth:`PrefillServer.add_control_op` adds an op to the protocol with its
+handler (the fault tests' own entry point, tests/disagg/serve_faulty.py, installs both to
+inject failures, stalls, corruption and death).
 """
 
 from __future__ import annotations
 
 import os
 import queue
+import sys
 import threading
 
 import jax
@@ -29,9 +30,10 @@ from pdjax.cluster.supervisor import announce_ready
 from pdjax.disagg.prefill import PrefillPool
 from pdjax.disagg.prefix_store import PrefixStore
 from pdjax.disagg.clock import Clock
-from pdjax.cluster.transfer import LOOPBACK, ArraySender, Control, listen, start_transfer_server
+from pdjax.cluster.messages import Channel
+from pdjax.cluster.transfer import LOOPBACK, ArraySender, listen, start_transfer_server
 from pdjax.disagg.link import TransferLink
-from pdjax.disagg.wire import PrefillJob, event_to_wire
+from pdjax.disagg.wire import DECODE_PREFILL, PrefillJob, event_to_wire
 from pdjax.disagg.worker import PrefillWorker
 
 
@@ -71,6 +73,7 @@ class PrefillServer:
                                      **{"device_blocks": 0, "host_blocks": 256, **prefix_cache})
         self.sender = ArraySender(start_transfer_server(jax.local_devices(), host))
         self.link = TransferLink(sender=self.sender)
+        self.protocol = DECODE_PREFILL
         self.control_ops: dict = {}                    # op -> handler(message) -> reply
         if link_wrapper is not None:
             self.link = link_wrapper(self.link, self)
@@ -83,8 +86,6 @@ class PrefillServer:
         threading.Thread(target=self._accept, daemon=True).start()
         while True:
             ctl, job = self.jobs.get()
-            if job is None:
-                return
             if ctl.closed:
                 continue
             try:
@@ -95,25 +96,31 @@ class PrefillServer:
     def _accept(self) -> None:
         while True:
             sock, _ = self.listener.accept()
-            ctl = Control(sock)
+            ctl = Channel(sock, self.protocol, "prefill")
             try:
                 ctl.send({"op": "hello", "transfer_address": self.sender.address})
             except OSError:
                 continue
             threading.Thread(target=self._read, args=(ctl,), daemon=True).start()
 
-    def _read(self, ctl: Control) -> None:
+    def add_control_op(self, op: str, request: type, reply: type, handler) -> None:
+        """Serve one more op on connections accepted from now on: ``request`` / ``reply``,
+        the TypedDicts of the message and its answer; ``handler(message) -> reply``."""
+        self.protocol = self.protocol.with_ops("decode", {op: request}).with_ops("prefill", {op: reply})
+        self.control_ops[op] = handler
+
+    def _read(self, ctl: Channel) -> None:
         try:
             while (msg := ctl.recv()) is not None:
-                op = msg.get("op")
+                op = msg["op"]
                 if op in self.control_ops:
                     ctl.send(self.control_ops[op](msg))
                 elif op == "cancel":              # at once: the attempt may be queued or running
                     self.worker.cancel(msg["request"], msg["attempt"])
                 elif op == "prefill":
                     self.jobs.put((ctl, PrefillJob.from_wire(msg)))
-                elif op == "shutdown":
-                    self.jobs.put((ctl, None))
-        except (OSError, ValueError):
+        except OSError:
             pass
+        except ValueError as e:                   # a message off the protocol: this connection ends
+            print(f"pdjax prefill: {e}", file=sys.stderr, flush=True)
         ctl.closed = True                      # its queued jobs are dropped; its offers expire

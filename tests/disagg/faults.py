@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 import time
+from typing import TypedDict
 
 import jax
 import jax.numpy as jnp
@@ -213,11 +214,23 @@ class FaultyLink:
             return {"op": "fault", "ok": False, "error": f"{type(e).__name__}: {e}"}
 
 
+class FaultRequest(TypedDict, total=False):
+    """The ``fault`` control op: arm a link fault, or corrupt a cached prefix."""
+    fault: dict
+    corrupt_prefix: list
+
+
+class FaultReply(TypedDict, total=False):
+    ok: bool
+    tier: str
+    error: str
+
+
 def wrap(link, server) -> FaultyLink:
     """The prefill process's link wrapper (tests/disagg/serve_faulty.py passes it to
     ``pdjax.disagg.serve.main``): a FaultyLink, armed by ``fault`` control messages."""
     faulty = FaultyLink(link, server=server)
-    server.control_ops["fault"] = faulty.arm
+    server.add_control_op("fault", FaultRequest, FaultReply, faulty.arm)
     return faulty
 
 
@@ -225,13 +238,13 @@ def inject_prefill_fault(server, **fault) -> dict:
     """Send ``fault`` to the prefill process of a ``launch_pd`` server (started with
     serve_faulty.py) on a control connection of its own; returns the reply, raises if the
     process refused it."""
-    from pdjax.cluster.transfer import Control
+    from pdjax.cluster.messages import Channel
+    from pdjax.disagg.wire import DECODE_PREFILL
 
-    ctl = Control.connect(server.prefill_info["control"])
+    protocol = DECODE_PREFILL.with_ops("decode", {"fault": FaultRequest}).with_ops("prefill", {"fault": FaultReply})
+    ctl = Channel.connect(server.prefill_info["control"], protocol, "decode")
     try:
-        hello = ctl.recv()
-        if not hello or hello.get("op") != "hello":
-            raise ConnectionError(f"expected hello from the prefill process, got {hello!r}")
+        ctl.expect("hello")
         ctl.send({"op": "fault", **fault})
         reply = ctl.recv()
     finally:
