@@ -1,6 +1,7 @@
 """Predicted throughput of a real deployment: :class:`Deployment` describes it, :func:`predict`
 times one step of it with the op model and the overlap model.
 
+    import pdjax, pdjax.analysis as A
     d = A.Deployment(model=pdjax.configs.deepseek_v3(), hardware="h100-sxm", role="prefill",
                      gpus=32, gpus_per_node=8, ep=32, input_len=4096, batch_per_gpu=16384, overlap="tbo")
     p = A.predict(d)

@@ -15,7 +15,8 @@ How each measurement enters (H800 is the hardware every table was measured on):
   and 660 TFLOPS on H800, each scaled by the target's HBM bandwidth and BF16 peak over
   H800's. Two points, not curves.
 * **Prefill attention** (FlashAttention-3 forward with MLA's 192/128 head dims, BF16): the
-  fraction of BF16 peak it reached in DeepSeek's train.json (:data:`TRAIN_PROFILE`).
+  fraction of BF16 peak it reached in DeepSeek's train.json
+  (:data:`~pdjax.analysis.calibration.TRAIN_PROFILE_RAW`).
 * **Expert all-to-all, normal kernels** (DeepEP internode/intranode): a token crosses RDMA
   once per destination node and NVLink once per destination GPU; the two legs pipeline,
   so a kernel takes max(RDMA bytes / B_rdma, NVLink bytes / B_nvl) plus one chunk of the

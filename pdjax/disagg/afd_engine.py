@@ -21,7 +21,7 @@ hidden states; ``routing_bytes``: expert ids, weights and the valid mask, counte
 failures, ``exchange_corrupt`` (micro-batch steps whose exchange delivered a piece that
 failed its checksum: each was run again; see :mod:`pdjax.disagg.afd_attention`), and, when
 ``eng.timeline`` is a
-:class:`~pdjax.disagg.timeline.Timeline`, the per-stage times (:func:`stage_times`) and the
+:class:`~pdjax.disagg.device_spans.DeviceSpans`, the per-stage times (:func:`stage_times`) and the
 measured spans (streams "attention", "a2f", "ffn", "f2a").
 """
 
@@ -71,7 +71,7 @@ class AFDEngine(Engine):
     """Attention-FFN disaggregated serving; see the module docstring. ``attention_devices``
     (M) and ``ffn_devices`` (N): disjoint device lists, the routed experts dividing over N;
     or, instead of ``ffn_devices``, ``ffn_address``: the control address of an FFN process
-    (``pdjax serve --role ffn``, :func:`~pdjax.disagg.launcher.launch_ffn`), N its ranks,
+    (``pdjax serve --role ffn``, :func:`~pdjax.disagg.launch_ffn`), N its ranks,
     ``ffn_timeout_s`` the deadline of each of its answers and pulls
     (:mod:`pdjax.disagg.afd_process`);
     ``num_microbatches``: m in 1..4; ``max_decode_slots``: a multiple of m * lcm(M, N)

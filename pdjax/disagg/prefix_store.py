@@ -27,7 +27,7 @@ handed out; :meth:`PrefixStore.insert` stores a finished prefill's full blocks.
 
 Costs worth knowing: checking a device-tier block reads it back to host (free on CPU, a
 device->host copy on an accelerator); a disk hit is read whole (all layers) when
-:meth:`load` is called, the host->device copies then run one layer ahead. The index is in
+:meth:`PrefixStore.load` is called, the host->device copies then run one layer ahead. The index is in
 memory: the disk tier does not survive the store (its directory is removed with it).
 """
 

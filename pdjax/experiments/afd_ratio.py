@@ -3,7 +3,7 @@
 1. Simulated (a cost model per accelerator kind, :func:`cost_models`): DeepSeek-V3
    decode at a fixed context, M attention accelerators of one kind (bandwidth-rich: they
    read the KV cache) and N FFN accelerators of another (FLOP-rich: they run the experts),
-   m ping-pong micro-batches (:class:`pdjax.sim.AFDStepModel`), against colocated instances
+   m ping-pong micro-batches (:class:`pdjax.sim.afd_step.AFDStepModel`), against colocated instances
    of ``baseline_ep`` accelerators holding every weight. Each attention accelerator holds as
    many requests as its KV room allows (no expert weights: more room than a colocated one);
    the speedup per accelerator is the speedup model (B_AFD/B_base)(T_base/T_AFD) M/(M+N)
@@ -116,7 +116,7 @@ class Config(Header):
 
 class SplitCost:
     """The attention side of ``attn`` (a per-accelerator cost model) and the FFN side of
-    ``ffn``: what :class:`pdjax.sim.AFDStepModel` asks of one AF unit of two accelerator kinds."""
+    ``ffn``: what :class:`pdjax.sim.afd_step.AFDStepModel` asks of one AF unit of two accelerator kinds."""
 
     def __init__(self, attn, ffn):
         self.attn, self.ffn = attn, ffn

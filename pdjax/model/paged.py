@@ -93,7 +93,8 @@ def _view(pool, tables):
 @dataclasses.dataclass
 class PagedCache:
     """Pools (one per layer), the slots' block tables and lengths; the model reads it through
-    ``layers()`` (one :class:`PagedLayer` per layer) like a contiguous :class:`KVCache`."""
+    ``layers()`` (one :class:`PagedLayer` per layer) like a contiguous
+    :class:`~pdjax.model.cache.KVCache`."""
 
     pools: tuple               # per layer [R, num_blocks, block_size, C+R]
     block_tables: jax.Array    # [slots, blocks_per_slot] int32

@@ -215,7 +215,7 @@ def collect_routing_stats(params, cfg: ModelConfig, tokens, mask=None) -> np.nda
     [B,T]: int64 [num_moe_layers, n_routed_experts] (rows in :func:`moe_layer_indices`
     order), each row summing to (unmasked tokens) * num_experts_per_tok. ``mask`` [B,T]
     (bool, optional) leaves out padding. Feed a (moving average of) this to
-    :func:`rebalance_experts`.
+    :func:`~pdjax.parallel.eplb.rebalance_experts`.
     """
     if not isinstance(cfg, ModelConfig):
         raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")

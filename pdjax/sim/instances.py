@@ -1,8 +1,8 @@
 """Serving instances of the simulator: prefill, decode (plain or AF unit) and colocated.
 
 An instance runs one step at a time; the simulator asks it for a step plan
-(:meth:`plan`, returning the step's duration or None when idle) and applies it when the
-step ends (:meth:`complete`). Step times come from the cost model only.
+(``plan(t)``, returning the step's duration or None when idle) and applies it when the
+step ends (``complete(t)``). Step times come from the cost model only.
 
 * :class:`DecodeState`: continuous batching bookkeeping for one or more DP ranks (an AF
   unit's attention instances are its ranks): KV reservations, running requests, the KV
