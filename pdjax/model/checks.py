@@ -6,8 +6,6 @@ Checks never wait for the device: a ``jax.Array`` input is checked for shape and
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +13,7 @@ import numpy as np
 from pdjax.config import ModelConfig
 from pdjax.model import layer_scan
 from pdjax.model.cache import KVCache
-from pdjax.model.params import init_params
+from pdjax.model.params import param_shapes
 
 
 def is_tracer(x) -> bool:
@@ -38,10 +36,13 @@ def check_mesh(mesh) -> None:
         raise TypeError(f"mesh must be a jax.sharding.Mesh (pdjax.parallel.make_mesh) or None, got {type(mesh).__name__}")
 
 
-def check_tokens(cfg: ModelConfig, tokens, ndim: int, name: str = "tokens"):
-    """Shape and dtype checks, and for host inputs the range of the ids; returns int32 tokens
-    (a device array stays on its devices and its ids are not range-checked: that would fetch
-    them and wait for the computation that makes them)."""
+def check_tokens(cfg: ModelConfig, tokens, ndim: int, name: str = "tokens", *, host: bool = False):
+    """The one check of a token batch (the model's entry points, the pipeline executor):
+    ``ndim`` dims, none empty, integer ids, and for host inputs every id in
+    ``[0, vocab_size)``; returns int32 tokens (a device array stays on its devices and its ids
+    are not range-checked: that would fetch them and wait for the computation that makes
+    them). ``host``: a host input comes back as int32 numpy, for a caller that places it
+    itself (the pipeline executor), rather than as a jax array on the default device."""
     check_cfg(cfg)
     if is_tracer(tokens):
         return tokens
@@ -59,7 +60,7 @@ def check_tokens(cfg: ModelConfig, tokens, ndim: int, name: str = "tokens"):
     if lo < 0 or hi >= cfg.vocab_size:
         bad = lo if lo < 0 else hi
         raise ValueError(f"{name} holds token id {bad}, outside [0, vocab_size={cfg.vocab_size})")
-    return jnp.asarray(arr, jnp.int32)
+    return arr.astype(np.int32) if host else jnp.asarray(arr, jnp.int32)
 
 
 def prompt_problem(prompt, vocab_size: int):
@@ -132,12 +133,6 @@ def check_lengths(lengths, B: int, T: int):
 
 # ---- params and caches held against the config ---------------------------------------------------
 
-@functools.lru_cache(maxsize=16)
-def _reference(cfg: ModelConfig):
-    """The shapes of ``init_params(cfg)`` (traced abstractly: nothing is computed)."""
-    return jax.eval_shape(lambda k: init_params(cfg, k), jax.random.key(0))
-
-
 _CHECKED: set = set()       # (cfg, tree structure, leaf shapes) already held against their cfg
 
 
@@ -153,7 +148,7 @@ def check_params(params, cfg: ModelConfig) -> None:
         return
     if not isinstance(params, dict):
         raise TypeError(f"params must be the dict init_params / load_hf give, got {type(params).__name__}")
-    ref = _reference(cfg)
+    ref = param_shapes(cfg)
     if layer_scan.is_stacked(params):
         held = _stacked_layers(params)
         if held is not None and held != cfg.num_hidden_layers:

@@ -1,5 +1,6 @@
-"""Logical axes of the params, declared where each weight is made, and their shardings on a
-mesh under rules the caller gives.
+"""Logical axes of the params, declared where each weight is made, and the rules that map
+them (and the activations' "batch") onto a mesh's axes: the one place the logical-axis ->
+mesh-axis rules are declared.
 
 Every init function makes its weights with :func:`declare` (``declare(value, ("embed",
 "vocab"))``), so a weight's logical axis names sit next to its shape and initializer, as in
@@ -7,17 +8,17 @@ jax-llm-examples' deepseek_r1_jax. :func:`split` turns such a tree into the para
 like-shaped tree of axes tuples, and raises naming any weight made without a declaration.
 :func:`pdjax.model.params.param_axes` is that tree for a config.
 
-The model never decides mesh axes: :func:`shardings` maps the axes through any object with
-``spec(*logical) -> PartitionSpec`` and ``check(mesh)`` (:class:`AxisRules`;
-:class:`pdjax.parallel.ShardingRules` is one). Without rules, ``init_params(mesh=)`` and
-``load_hf(mesh=)`` use :class:`ExpertRules`, the params' part of
-``ShardingRules.default(mesh)``.
+:class:`ShardingRules` maps each logical axis to mesh axes (``ShardingRules.default(mesh)``:
+DeepSeek's serving layout); :func:`shardings` places a tree by them. The model takes the
+rules as data and never imports :mod:`pdjax.parallel`, which re-exports them
+(``pdjax.parallel.ShardingRules``) for its meshes, batches and expert parallelism.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Mapping, Protocol
+from typing import Mapping
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -117,29 +118,58 @@ def axes_like(params, declared, extra: Mapping[str, tuple] | None = None):
     return jax.tree_util.tree_map_with_path(lookup, params)
 
 
-class AxisRules(Protocol):
-    """Logical axes -> mesh axes, as the model uses them (:class:`pdjax.parallel.ShardingRules`)."""
+@dataclasses.dataclass(frozen=True)
+class ShardingRules:
+    """Logical axis -> mesh axes (a tuple; empty = replicated). Printable, overridable; the
+    rules ``init_params``, ``load_hf``, ``pdjax.parallel.shard_params`` and the model's
+    ``mesh=`` entry points take.
+
+    ``ShardingRules.default(mesh)`` (DeepSeek's serving layout) puts "experts" on the
+    "expert" axis (if the mesh has one) and "batch" on every data-like axis (all mesh axes:
+    DP attention, every device attends over its own requests); every other axis is whole.
+    """
+
+    rules: tuple[tuple[str, tuple[str, ...]], ...]
+
+    @staticmethod
+    def default(mesh: Mesh, expert_axis: str = "expert") -> "ShardingRules":
+        names = tuple(mesh.axis_names)
+        return ShardingRules((
+            ("batch", names),
+            ("experts", (expert_axis,) if expert_axis in names else ()),
+        ))
+
+    def override(self, **changes) -> "ShardingRules":
+        d = dict(self.rules)
+        for k, v in changes.items():
+            d[k] = (v,) if isinstance(v, str) else tuple(v or ())
+        return ShardingRules(tuple(d.items()))
+
+    def axes(self, logical: str) -> tuple[str, ...]:
+        return dict(self.rules).get(logical, ())
 
     def spec(self, *logical) -> P:
-        """The PartitionSpec of an array whose dims carry these logical names (None: whole)."""
+        """PartitionSpec for an array whose dims carry these logical names (None = replicated)."""
+        parts = []
+        for name in logical:
+            axes = self.axes(name) if name else ()
+            parts.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        return P(*parts)
 
     def check(self, mesh: Mesh) -> None:
-        """Raise ValueError when the rules do not fit ``mesh``."""
+        for logical, axes in self.rules:
+            if logical not in LOGICAL_AXES:
+                raise ValueError(f"sharding rules name unknown logical axis {logical!r}; known: {LOGICAL_AXES}")
+            for a in axes:
+                if a not in mesh.axis_names:
+                    raise ValueError(f"sharding rule {logical!r} -> {a!r}: mesh has no axis {a!r} "
+                                     f"(axes: {tuple(mesh.axis_names)})")
 
+    def size(self, mesh: Mesh, logical: str) -> int:
+        return math.prod(mesh.shape[a] for a in self.axes(logical))
 
-class ExpertRules:
-    """The params' placement for a mesh given without rules: the routed experts over the
-    mesh's ``expert`` axis (when it has one), every other dim whole; the placement
-    ``pdjax.parallel.ShardingRules.default(mesh)`` gives the params."""
-
-    def __init__(self, mesh: Mesh, expert_axis: str = "expert"):
-        self.expert_axis = expert_axis if expert_axis in mesh.axis_names else None
-
-    def spec(self, *logical) -> P:
-        return P(*(self.expert_axis if name == "experts" else None for name in logical))
-
-    def check(self, mesh: Mesh) -> None:
-        pass
+    def __str__(self) -> str:
+        return "\n".join(f"{k:>8} -> {', '.join(v) if v else '(replicated)'}" for k, v in self.rules)
 
 
 def _check_divides(name: str, shape, axes, spec, mesh: Mesh) -> None:
@@ -152,9 +182,10 @@ def _check_divides(name: str, shape, axes, spec, mesh: Mesh) -> None:
             raise ValueError(f"{dim} {what} of {name} do not divide over the {over} axes {mesh_axes} of size {n}")
 
 
-def shardings(params, axes, mesh: Mesh, rules: AxisRules):
+def shardings(params, axes, mesh: Mesh, rules: ShardingRules):
     """The NamedSharding of every leaf of ``params`` (arrays or jax.ShapeDtypeStruct: only
-    shapes are read) whose logical axes are ``axes`` (a tree like it), by ``rules``. Raises
+    shapes are read) whose logical axes are ``axes`` (a tree like it), by ``rules`` (checked
+    against ``mesh`` first). Raises
     ValueError, naming the weight, when a sharded dim does not divide over its mesh axes."""
     rules.check(mesh)
 

@@ -248,14 +248,11 @@ def ep_moe(p, cfg: ModelConfig, x_ND, ep: ExpertParallel, valid_N=None, routing=
     return ep_combine(y_rows, state, ep, x_ND.dtype), dropped
 
 
-#: logical axes of what :func:`place_experts` adds to a MoE layer's params: the replica tables, whole
-PLACEMENT_AXES = {"layers/*/moe/log2phy": (None, None), "layers/*/moe/logcnt": (None,)}
-
-
 def place_experts(params, phy2log) -> dict:
     """Params with routed experts laid out in physical slots: ``w[l] = w_logical[phy2log[l]]``
     for each MoE layer (phy2log [moe_layers, P], from EPLB), plus the inverse map
-    ``log2phy`` [E, max_replicas] / ``logcnt`` [E] in each MoE layer's params."""
+    ``log2phy`` [E, max_replicas] / ``logcnt`` [E] in each MoE layer's params (their logical
+    axes: :data:`pdjax.model.params.PLACEMENT_AXES`)."""
     phy2log = np.asarray(phy2log)
     moe_layers = [i for i, lp in enumerate(params["layers"]) if "moe" in lp]
     if phy2log.ndim != 2 or phy2log.shape[0] != len(moe_layers):

@@ -1,27 +1,26 @@
-"""Meshes and logical-axis sharding rules.
+"""Meshes, and params and batches placed on them by the logical-axis sharding rules.
 
 A mesh is built from a dict of axis sizes (names are the caller's). Params and activations
 name *logical* axes ("experts", "batch", ...; every weight's are declared where the model
-makes it, :mod:`pdjax.model.sharding`); :class:`ShardingRules` maps each logical axis to mesh
-axes. The default rules are DeepSeek's serving layout: routed experts over the "expert" axis,
-attention and dense weights replicated, and the batch over data x expert for attention (DP
-attention), so every device attends over its own requests.
+makes it); :class:`~pdjax.model.sharding.ShardingRules` maps each logical axis to mesh axes
+and is declared, with its default (DeepSeek's serving layout: routed experts over the
+"expert" axis, attention and dense weights replicated, the batch over every axis for DP
+attention), in :mod:`pdjax.model.sharding`; the params' shardings are
+:func:`pdjax.model.params.param_shardings`. Both are on ``pdjax.parallel``'s face.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Mapping, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
 
 from pdjax.config import ModelConfig
-from pdjax.model import params as model_params, sharding as model_sharding
-from pdjax.model.sharding import LOGICAL_AXES
-from pdjax.parallel.ep import PLACEMENT_AXES
+from pdjax.model.params import param_shardings
+from pdjax.model.sharding import ShardingRules
 
 
 def make_mesh(axes: Mapping[str, int], devices: Sequence | None = None) -> Mesh:
@@ -45,78 +44,6 @@ def make_mesh(axes: Mapping[str, int], devices: Sequence | None = None) -> Mesh:
         raise ValueError("mesh devices must be distinct")
     grid = np.array(devices, dtype=object).reshape(tuple(axes.values()))
     return Mesh(grid, tuple(axes), axis_types=(AxisType.Auto,) * len(axes))
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardingRules:
-    """Logical axis -> mesh axes (a tuple; empty = replicated). Printable, overridable; the
-    rules ``init_params`` and ``load_hf`` take (:class:`pdjax.model.sharding.AxisRules`).
-
-    ``ShardingRules.default(mesh)`` puts "experts" on the "expert" axis (if the mesh has
-    one) and "batch" on every data-like axis (all mesh axes: DP attention).
-    """
-
-    rules: tuple[tuple[str, tuple[str, ...]], ...]
-
-    @staticmethod
-    def default(mesh: Mesh, expert_axis: str = "expert") -> "ShardingRules":
-        names = tuple(mesh.axis_names)
-        return ShardingRules((
-            ("batch", names),
-            ("experts", (expert_axis,) if expert_axis in names else ()),
-        ))
-
-    def override(self, **changes) -> "ShardingRules":
-        d = dict(self.rules)
-        for k, v in changes.items():
-            d[k] = (v,) if isinstance(v, str) else tuple(v or ())
-        return ShardingRules(tuple(d.items()))
-
-    def axes(self, logical: str) -> tuple[str, ...]:
-        return dict(self.rules).get(logical, ())
-
-    def spec(self, *logical) -> P:
-        """PartitionSpec for an array whose dims carry these logical names (None = replicated)."""
-        parts = []
-        for name in logical:
-            axes = self.axes(name) if name else ()
-            parts.append(None if not axes else axes[0] if len(axes) == 1 else axes)
-        return P(*parts)
-
-    def check(self, mesh: Mesh) -> None:
-        for logical, axes in self.rules:
-            if logical not in LOGICAL_AXES:
-                raise ValueError(f"sharding rules name unknown logical axis {logical!r}; known: {LOGICAL_AXES}")
-            for a in axes:
-                if a not in mesh.axis_names:
-                    raise ValueError(f"sharding rule {logical!r} -> {a!r}: mesh has no axis {a!r} "
-                                     f"(axes: {tuple(mesh.axis_names)})")
-
-    def size(self, mesh: Mesh, logical: str) -> int:
-        return math.prod(mesh.shape[a] for a in self.axes(logical))
-
-    def __str__(self) -> str:
-        return "\n".join(f"{k:>8} -> {', '.join(v) if v else '(replicated)'}" for k, v in self.rules)
-
-
-def param_logical_axes(params, cfg: ModelConfig) -> dict:
-    """A pytree like params holding each leaf's logical axes (tuple of names/None), as the
-    model declares them (:func:`pdjax.model.params.logical_axes`; EPLB's replica tables from
-    :func:`pdjax.parallel.place_experts` whole). Raises ValueError naming a param the model
-    does not declare."""
-    return model_params.logical_axes(params, cfg, extra=PLACEMENT_AXES)
-
-
-def param_shardings(params, cfg: ModelConfig, mesh: Mesh, rules: ShardingRules | None = None):
-    """The NamedSharding of every param by the rules applied to the model's logical axes
-    (default: routed experts over the expert axis, everything else replicated), as a pytree
-    like ``params`` (all of the params or a part). ``params`` may hold arrays or
-    jax.ShapeDtypeStruct (only paths and shapes are read), so an init or a checkpoint load can
-    be placed before any value exists. Raises ValueError naming the param when one has no
-    logical-axis declaration or a sharded dim (e.g. the experts) does not divide over its
-    mesh axes."""
-    rules = rules or ShardingRules.default(mesh)
-    return model_sharding.shardings(params, param_logical_axes(params, cfg), mesh, rules)
 
 
 def shard_params(params, cfg: ModelConfig, mesh: Mesh, rules: ShardingRules | None = None):

@@ -9,7 +9,7 @@ data-parallel, as DeepSeek-V3 combines PP with EP.
 
     s = pdjax.pipeline.build("dualpipe", num_ranks=4, num_microbatches=8)
     ex = pdjax.pipeline.Executor(s, cfg, devices=jax.devices()[:4])
-    loss, grads = ex.step(params, tokens)      # == jax.value_and_grad(next_token_loss)
+    loss, grads = ex.step(params, tokens)      # == jax.value_and_grad(pdjax.loss)
     ex.last_timeline, ex.last_memory
 
 Measurement (``measure=True``): every op blocks on its outputs, and its start and end are
@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pdjax.arguments import check_int
 from pdjax.config import ModelConfig
 from pdjax.pipeline import executor_checks as ec
 from pdjax.pipeline import multiprocess
@@ -105,16 +106,17 @@ class Executor:
             for pos, s in enumerate(pipe.stages):
                 self.stage_chunk[s] = pos
         self._compiled: dict = {}
-        self._param_shapes = None
         self.last_timeline = None
         self.last_memory = None
         self.stage_memory = None
 
     # ---- checks -----------------------------------------------------------------------------
     def check_batch(self, tokens):
-        """Checks of a token batch [B,T] before any compute. A host array is checked fully
-        (shape, dtype, ids in the vocabulary) and returned as int32 numpy; a jax.Array only
-        by shape and dtype (reading its values would wait for the device)."""
+        """Checks of a token batch [B,T] before any compute (the model's token checks, then
+        the split into micro-batches: :func:`pdjax.pipeline.executor_checks.check_batch`). A
+        host array is checked fully (shape, dtype, ids in the vocabulary) and returned as
+        int32 numpy; a jax.Array only by shape and dtype (reading its values would wait for
+        the device)."""
         return ec.check_batch(tokens, self.cfg, self.schedule.num_microbatches, self.devices_per_rank)
 
     def check_shape(self, batch_shape) -> None:
@@ -122,11 +124,9 @@ class Executor:
         ec.check_shape(batch_shape, self.cfg, self.schedule.num_microbatches, self.devices_per_rank)
 
     def check_params(self, params) -> None:
-        """The model's param tree for ``cfg``: same structure and shapes as ``init_params``."""
-        ec.check_param_layers(params, self.cfg)
-        if self._param_shapes is None:
-            self._param_shapes = ec.param_shapes(self.cfg)
-        ec.check_param_shapes(params, self._param_shapes)
+        """The model's param tree for ``cfg``, per layer: same structure and shapes as
+        ``init_params`` (:func:`pdjax.pipeline.executor_checks.check_params`)."""
+        ec.check_params(params, self.cfg)
 
     # ---- placement ----------------------------------------------------------------------------
     def place(self, params) -> list[dict]:
@@ -364,8 +364,7 @@ class Executor:
         the dispatch overhead: the time a compiled call takes to return)."""
         from pdjax.schedules.measured import OpCosts
 
-        if not isinstance(repeats, int) or repeats < 1:
-            raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+        repeats = check_int("repeats", repeats)
         self.check_params(params)
         tokens = self.check_batch(tokens)
         staged = self.place(params)

@@ -1,13 +1,15 @@
 """The checks of :class:`pdjax.pipeline.Executor`'s inputs, made before any compute: the
-schedule, model and devices it is built for, a token batch, and a param tree."""
+schedule, model and devices it is built for, a token batch, and a param tree. The checks a
+token batch and a param tree share with the model's entry points are the model's
+(:mod:`pdjax.model.checks`); the pipeline adds only its own (micro-batches, ranks, per-layer
+params)."""
 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from pdjax.config import ModelConfig
+from pdjax.model import checks, layer_scan
 from pdjax.schedules.schedule import Schedule
 
 LOSSES = ("next_token",)
@@ -22,8 +24,7 @@ def check_schedule_and_config(schedule, cfg) -> None:
     if not isinstance(schedule, Schedule):
         raise TypeError(f"schedule must be a pdjax.schedules.Schedule (e.g. pdjax.pipeline.build(...)), "
                         f"got {type(schedule).__name__}")
-    if not isinstance(cfg, ModelConfig):
-        raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+    checks.check_cfg(cfg)
 
 
 def check_setup(schedule, cfg: ModelConfig, devices, loss: str) -> tuple[list, int, int]:
@@ -60,27 +61,16 @@ def check_setup(schedule, cfg: ModelConfig, devices, loss: str) -> tuple[list, i
 
 
 def check_batch(tokens, cfg: ModelConfig, num_microbatches: int, devices_per_rank: int):
-    """A token batch [B,T]: a host array is checked fully (shape, dtype, ids in
-    ``[0, vocab_size)``) and returned as int32 numpy; a jax.Array only by shape and dtype
-    (reading its values would wait for the device). [B,T] is checked by :func:`check_shape`."""
-    vocab_size = cfg.vocab_size
-    if isinstance(tokens, jax.Array):
-        if not tokens.is_fully_addressable:
-            raise ValueError("tokens must be fully addressable")
-        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-            raise ValueError(f"tokens must be integer ids [B, T], got {tokens.dtype} {tokens.shape}")
-        check_shape(tokens.shape, cfg, num_microbatches, devices_per_rank)
-        return tokens.astype(jnp.int32)
-    arr = np.asarray(tokens)
-    if arr.ndim != 2:
-        raise ValueError(f"tokens must be [B, T], got shape {arr.shape}")
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise TypeError(f"tokens must be integer ids, got dtype {arr.dtype}")
-    check_shape(arr.shape, cfg, num_microbatches, devices_per_rank)
-    if arr.min() < 0 or arr.max() >= vocab_size:
-        bad = int(arr.min()) if arr.min() < 0 else int(arr.max())
-        raise ValueError(f"tokens hold id {bad}, outside [0, vocab_size={vocab_size})")
-    return arr.astype(np.int32)
+    """A token batch [B,T]: the model's token checks (:func:`pdjax.model.checks.check_tokens`:
+    a host array fully, shape, dtype and ids in ``[0, vocab_size)``, returned as int32 numpy;
+    a jax.Array by shape and dtype only, as reading its values would wait for the device),
+    then the pipeline's: a jax.Array must be fully addressable (its micro-batches are sliced
+    on this host), and [B,T] must split (:func:`check_shape`)."""
+    if isinstance(tokens, jax.Array) and not tokens.is_fully_addressable:
+        raise ValueError("tokens must be fully addressable")
+    tokens = checks.check_tokens(cfg, tokens, 2, host=True)
+    check_shape(tokens.shape, cfg, num_microbatches, devices_per_rank)
+    return tokens
 
 
 def check_shape(batch_shape, cfg: ModelConfig, num_microbatches: int, devices_per_rank: int) -> None:
@@ -98,29 +88,16 @@ def check_shape(batch_shape, cfg: ModelConfig, num_microbatches: int, devices_pe
         raise ValueError(f"T={T} exceeds max_position_embeddings={cfg.max_position_embeddings}")
 
 
-def check_param_layers(params, cfg: ModelConfig) -> None:
-    """``params`` is the model's param dict with ``cfg``'s number of layers."""
-    if not isinstance(params, dict) or "layers" not in params:
-        raise ValueError("params must be the model's param dict (pdjax.init_params / load_hf)")
-    if len(params["layers"]) != cfg.num_hidden_layers:
-        raise ValueError(f"params hold {len(params['layers'])} layers, the config "
-                         f"{cfg.num_hidden_layers}")
-
-
-def param_shapes(cfg: ModelConfig):
-    """The shapes of ``init_params(cfg)`` (abstract: nothing is allocated)."""
-    from pdjax.model.transformer import init_params
-
-    return jax.eval_shape(lambda k: init_params(cfg, k), jax.random.key(0))
-
-
-def check_param_shapes(params, shapes) -> None:
-    """``params`` has the structure and the leaf shapes of ``shapes`` (:func:`param_shapes`)."""
-    want, got = jax.tree.structure(shapes), jax.tree.structure(params)
-    if want != got:
-        raise ValueError(f"params do not have the model's structure: expected {want}, got {got}")
-    for path, a, b in zip(jax.tree_util.tree_flatten_with_path(params)[0],
-                          jax.tree.leaves(params), jax.tree.leaves(shapes)):
-        if tuple(np.shape(a)) != tuple(b.shape):
-            raise ValueError(f"param {jax.tree_util.keystr(path[0])} has shape {np.shape(a)}, "
-                             f"the config gives {b.shape}")
+def check_params(params, cfg: ModelConfig) -> None:
+    """The model's params of ``cfg`` (:func:`pdjax.model.checks.check_params`: structure,
+    shapes, floating dtypes), per layer as ``init_params`` makes them: the executor splits
+    ``params['layers']`` over its stages, so stacked layer runs and an EPLB placement's
+    tables are refused."""
+    if layer_scan.is_stacked(params):
+        raise ValueError("the executor splits params['layers'] over its stages: stacked params "
+                         "(pdjax.stack_layers) need pdjax.unstack_layers first")
+    checks.check_params(params, cfg)
+    for i, layer in enumerate(params["layers"]):
+        if set(checks.EPLB_KEYS) & set(layer.get("moe", ())):
+            raise ValueError(f"params['layers'][{i}]['moe'] holds an EPLB placement's tables "
+                             f"{checks.EPLB_KEYS}: the executor runs the logical experts of init_params")
