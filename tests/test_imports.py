@@ -25,6 +25,14 @@ def test_pure_python_parts_load_no_jax(module):
     assert not [m for m in HEAVY if m in loaded], sorted(m for m in HEAVY if m in loaded)
 
 
+@pytest.mark.parametrize("module", ["pdjax.schedules", "pdjax.pipeline"])
+def test_the_schedules_load_matplotlib_only_to_plot(module):
+    assert "matplotlib" not in _loaded_after(f"import {module}")
+    plot = "pdjax.schedules.plot(pdjax.schedules.build('1f1b', num_ranks=2, num_microbatches=2))"
+    assert "matplotlib" in _loaded_after(f"import {module}, pdjax.schedules; {plot}")
+    assert "matplotlib" in _loaded_after(f"import {module}; pdjax.schedules.Figure")
+
+
 def test_every_subpackage_is_an_attribute_of_pdjax():
     import pdjax
 

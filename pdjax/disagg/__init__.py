@@ -12,10 +12,9 @@ from pdjax.disagg.afd_engine import AFDEngine
 from pdjax.disagg.afd_process import launch_ffn
 from pdjax.disagg.engine import ColocatedEngine, PDEngine
 from pdjax.disagg.launcher import PDCluster, launch_pd
-from pdjax.disagg.link import Chunk, DevicePutLink
+from pdjax.disagg.link import DevicePutLink, KVChunk, TransferLink
 from pdjax.disagg.request import Request, RequestError, SamplingParams
 from pdjax.disagg.scheduler import DecodeScheduler
-from pdjax.disagg.link import TransferLink
 
-__all__ = ["AFDEngine", "Chunk", "ColocatedEngine", "DecodeScheduler", "DevicePutLink", "PDCluster", "PDEngine",
+__all__ = ["AFDEngine", "ColocatedEngine", "DecodeScheduler", "DevicePutLink", "KVChunk", "PDCluster", "PDEngine",
            "Request", "RequestError", "SamplingParams", "TransferLink", "launch_ffn", "launch_pd"]

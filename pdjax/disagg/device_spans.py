@@ -15,7 +15,9 @@ import time
 import jax
 
 
-class Timeline:
+class DeviceSpans:
+    """Spans of device work, one per :meth:`record` (see the module docstring)."""
+
     def __init__(self):
         self.t0 = time.perf_counter()
         self.spans: list[dict] = []
@@ -38,7 +40,7 @@ class Timeline:
         self._threads.append(th)
         return span
 
-    def wait(self) -> "Timeline":
+    def wait(self) -> "DeviceSpans":
         for th in self._threads:
             th.join()
         return self

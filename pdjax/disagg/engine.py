@@ -137,7 +137,7 @@ class Engine:
                                      device=self.prefill.replicated, **opts)
         # the KV link (tests wrap it to inject faults); colocated: nothing crosses a link
         self.link = DevicePutLink(self.decode.rank_devices, count_bytes=not colocated)
-        self.timeline = None            # a Timeline: record the prefill compute and KV copies of generate
+        self.timeline = None            # a DeviceSpans: record the prefill compute and KV copies of generate
         self.stats: dict = {}
 
     def _decode_pool(self, params, cfg: ModelConfig, devices, mesh_axes: dict, **options) -> DecodePool:

@@ -40,7 +40,7 @@ class Cancelled(Exception):
 
 
 @dataclasses.dataclass(frozen=True)
-class Chunk:
+class KVChunk:
     """One layer's latent rows ``[T, C+R]`` for prompt positions ``start..start+T-1`` of an
     attempt, bound for decode rank ``rank``."""
     request: int
@@ -87,7 +87,7 @@ class DevicePutLink:
         self.rank_devices = list(rank_devices)
         self.count_bytes = count_bytes
 
-    def send(self, chunk: Chunk):
+    def send(self, chunk: KVChunk):
         moved = jax.device_put(chunk.rows, self.rank_devices[chunk.rank])
         return moved, (chunk.rows.size * chunk.rows.dtype.itemsize if self.count_bytes else 0)
 

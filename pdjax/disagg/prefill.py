@@ -147,7 +147,7 @@ class PrefillPool:
         colocated pool lets decode steps run between chunks); no lock is held across a
         transport call: under a lock, a chunk's ``push`` calls run once it is released, so a
         stalled send never blocks the decode steps (nor the deadline that cancels it).
-        ``timeline``: a :class:`pdjax.disagg.timeline.Timeline` to record each layer's compute.
+        ``timeline``: a :class:`pdjax.disagg.device_spans.DeviceSpans` to record each layer's compute.
         ``chunk_times``: a list to append each chunk's wall seconds to (the chunk is waited
         for, so only for calibration). ``on_compile(active)``: called before (True) and after
         (False) a call that compiles a program this pool has not run yet (the decode side

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 
-from pdjax.disagg.link import Cancelled, Chunk, checksum, checksums_to_host
+from pdjax.disagg.link import Cancelled, KVChunk, checksum, checksums_to_host
 from pdjax.disagg.prefix_store import CorruptBlockError, MissingBlockError
 from pdjax.disagg.request import Request
 from pdjax.disagg.scheduler import Compiling, Failed, LayerArrived, Ready, Started
@@ -28,7 +28,7 @@ class PrefillWorker:
     each layer's rows on ``link``. ``chunk``: what ``PrefillPool.run`` takes (None, a size,
     or chunk(position)); ``step_lock``: held around each chunk's compute (a colocated engine; None: none);
     ``clock``: stamps the events (``now()``); ``timeline``: a
-    :class:`~pdjax.disagg.timeline.Timeline` recording each layer's compute and each chunk's
+    :class:`~pdjax.disagg.device_spans.DeviceSpans` recording each layer's compute and each chunk's
     copy (when the link's payload is an array), issued and ready."""
 
     def __init__(self, pool, link, clock, *, store=None, chunk=None, step_lock=None, timeline=None):
@@ -69,7 +69,7 @@ class PrefillWorker:
             if self.cancelled(job.request, job.attempt):      # abandoned while running: stop here
                 raise Cancelled()
             sums.append((layer, start, checksum(rows)))
-            payload, nbytes = self.link.send(Chunk(job.request, job.attempt, layer, start, rows, job.rank))
+            payload, nbytes = self.link.send(KVChunk(job.request, job.attempt, layer, start, rows, job.rank))
             if self.timeline is not None and hasattr(payload, "block_until_ready"):
                 self.timeline.record("kv transfer", f"layer {layer}", payload)
             emit(LayerArrived(job.request, job.attempt, layer, payload, start, nbytes, self.clock.now()))

@@ -1,7 +1,7 @@
 """Measured AF-disaggregated decode against its predictions.
 
 :func:`measure_afd` serves the same requests on an :class:`~pdjax.disagg.AFDEngine` for each
-micro-batch count m, records the stages on a :class:`~pdjax.disagg.timeline.Timeline`, and
+micro-batch count m, records the stages on a :class:`~pdjax.disagg.device_spans.DeviceSpans`, and
 returns one row per m: the measured per-stage times (medians per MoE layer per micro-batch,
 :func:`stage_medians`), the measured decode step time (median inter-token latency once
 every prefill is done, in a run of the same engine without the timeline: its watcher
@@ -129,14 +129,14 @@ def decode_step_s(stats: dict, skip: int) -> float:
 
 def _timed(make, prompts, new_tokens: int, timeline: bool):
     """Build an engine, serve ``prompts`` once to compile every shape, then again timed, and
-    (``timeline``) a third time recording a Timeline. Returns (engine, the untraced run's stats)."""
-    from pdjax.disagg.timeline import Timeline
+    (``timeline``) a third time recording a DeviceSpans. Returns (engine, the untraced run's stats)."""
+    from pdjax.disagg.device_spans import DeviceSpans
     eng = make()
     eng.generate(prompts, max_new_tokens=new_tokens)
     eng.generate(prompts, max_new_tokens=new_tokens)
     untraced = eng.stats
     if timeline:
-        eng.timeline = Timeline()
+        eng.timeline = DeviceSpans()
         eng.generate(prompts, max_new_tokens=new_tokens)
     return eng, untraced
 

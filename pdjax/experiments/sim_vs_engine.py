@@ -8,7 +8,7 @@ slots, prefill chunking, prefill workers, link bandwidth) and the engine's own m
 * prefill: ``engine.calibrate_prefill`` on the padding buckets the trace's prompts run in
   (cost(q, c) = a q^2 + b q c + g q + d), evaluated at the bucket a chunk is padded to;
 * decode: closed batches of B requests of L-token prompts served by the same engine
-  (:func:`calibrate_decode`); each decode-loop iteration after the last prefill is an
+  (:func:`calibrate_decode_loop`); each decode-loop iteration after the last prefill is an
   observation (B, K cached tokens, joined, left, seconds), fitted to t(B, K) = d0 + d1 B +
   d2 K + dj joined + dl left. Timing the engine's loop, not ``DecodePool.step`` alone, keeps
   the scheduler's per-step work in the cost.
@@ -155,7 +155,7 @@ class DecodeCalibration:
         return [sec / float(self.fit(b, k)) for b, k, jn, lv, sec in self.iterations if not jn and not lv]
 
 
-def calibrate_decode(engine, prompt_lens: Sequence[int], batches: Sequence[int] = (1, 2, 4, 8),
+def calibrate_decode_loop(engine, prompt_lens: Sequence[int], batches: Sequence[int] = (1, 2, 4, 8),
                      new_tokens: int = 32, repeats: int = 1, seed: int = 0) -> DecodeCalibration:
     """Fit the engine's decode-loop iteration t = d0 + d1 B + d2 K + dj joined + dl left
     (:func:`pdjax.analysis.costmodel_calibrate.calibrate_cost` with the handoff terms) from
@@ -378,7 +378,7 @@ def compare_engine(kind: str, params, cfg, trace: Sequence, *, setup: EngineSetu
                          for q in [min(setup.chunk_tokens, n - c)]})
     shapes = (shapes * 4)[:max(4, len(shapes))]   # the fit needs four samples: repeat, never compile more
     engine.calibrate_prefill(shapes=shapes, repeats=prefill_repeats, intercept=True)
-    dec = calibrate_decode(engine, (lens[0], lens[-1]), decode_batches, decode_tokens, seed=seed)
+    dec = calibrate_decode_loop(engine, (lens[0], lens[-1]), decode_batches, decode_tokens, seed=seed)
     served = calibrate_served_prefill(engine, lens, dec.fit, probes=probes, seed=seed)
     stats = serve(engine, trace, seed)
     isolated, model = engine_cost(engine, dec.fit), engine_cost(engine, dec.fit, served.fit)

@@ -17,7 +17,6 @@ docs/pipeline.md.
 from .bound import lower_bound
 from .comparison import compare, format_report
 from .comms import derive_comms
-from .figure import Figure
 from .formulas import bubble_formula, formula_conditions, memory_table
 from .generators import GENERATORS, build
 from .greedy import greedy_schedule
@@ -29,6 +28,15 @@ from .schedule import Schedule
 from .search import SearchResult, search
 from .simulate import Timeline, measured_timeline, simulate, stage_costs
 from .validate import ScheduleError, validate
+
+
+def __getattr__(name):
+    """``Figure`` on first use: importing the schedules does not load matplotlib."""
+    if name == "Figure":
+        from .figure import Figure
+        return Figure
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "DeadlockError", "Figure", "GENERATORS", "Layout", "Op", "Schedule", "ScheduleError", "SearchResult", "Timeline",

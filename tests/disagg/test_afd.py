@@ -13,7 +13,7 @@ import pytest
 import pdjax
 from pdjax.disagg import AFDEngine, RequestError
 from pdjax.disagg.request import Request
-from pdjax.disagg.timeline import Timeline
+from pdjax.disagg.device_spans import DeviceSpans
 
 from afd_faults import FailingFFN, FlippingExchange, SlowExchange
 from faults import (BAD_ARRIVALS, Fault, assert_nothing_held, free_blocks, generate_within, run_with_faults,
@@ -300,7 +300,7 @@ def test_microbatches_ping_pong(cfg, eng, prompts, expected, tmp_path):
     ex = eng.decode.exchange
     eng.decode.exchange = SlowExchange(ex)
     try:
-        eng.timeline = Timeline()
+        eng.timeline = DeviceSpans()
         assert eng.generate([prompts[1]], max_new_tokens=3) == [expected[1][:3]]
     finally:
         eng.decode.exchange, tl, eng.timeline = ex, eng.timeline, None

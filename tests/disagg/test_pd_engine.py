@@ -177,12 +177,12 @@ def test_layer_transfer_overlaps_next_layer_compute(tiny_cfg, pd, prompts, expec
     of device time): the prefill worker sends layer l as soon as layer l is dispatched and
     goes on to layer l+1 without waiting for the copy, which is still in flight when layer
     l+1 is dispatched (a serialised handoff, waiting for each copy, fails the last assertion)."""
-    from pdjax.disagg.timeline import Timeline
+    from pdjax.disagg.device_spans import DeviceSpans
     link = pd.link
     pd.link = SlowLink(link)
     try:
         assert pd.generate([prompts[2]], max_new_tokens=5) == [expected[2]]   # compiled: time the ops only
-        pd.timeline = tl = Timeline()
+        pd.timeline = tl = DeviceSpans()
         assert pd.generate([prompts[2]], max_new_tokens=5) == [expected[2]]
     finally:
         pd.link, pd.timeline = link, None
