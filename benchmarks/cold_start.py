@@ -77,6 +77,7 @@ def child(what: str, schedule: str, scale: int, cache_dir) -> dict:
     events = _child_setup(cache_dir)
     import jax
 
+    import pdjax
     import pdjax.pipeline as pp
     from pdjax.pipeline import compiled
 
@@ -84,7 +85,7 @@ def child(what: str, schedule: str, scale: int, cache_dir) -> dict:
     for v in events.values():
         v.clear()
     if what == "vag":
-        f = jax.jit(jax.value_and_grad(pp.next_token_loss), static_argnums=1)
+        f = jax.jit(jax.value_and_grad(pdjax.loss), static_argnums=1)
         t0 = time.perf_counter()
         jax.block_until_ready(f(params, cfg, tokens))
         return {"vag": time.perf_counter() - t0}

@@ -7,7 +7,8 @@ The model API is pure functions over param pytrees::
     logits = pdjax.forward(params, cfg, tokens)
     logits, cache = pdjax.prefill(params, cfg, tokens, max_len=64)
     logits, cache = pdjax.decode_step(params, cfg, next_tokens, cache)
-    out = pdjax.generate(params, cfg, prompts, max_new_tokens=16)
+    out = pdjax.generate(params, cfg, prompts, max_new_tokens=16)     # speculative="mtp": MTP drafts
+    loss = pdjax.loss(params, cfg, tokens, mtp_weight=0.3)            # + lambda * the MTP loss
 
 Every subpackage is an attribute (``pdjax.analysis``, ``pdjax.pipeline``, ``pdjax.sim``,
 ``pdjax.disagg``, ``pdjax.parallel``, ``pdjax.model``, ``pdjax.experiments``), imported on
@@ -34,7 +35,7 @@ _LAZY = {
     "load_hf": "pdjax.model.hf", "restore_params": "pdjax.model.hf", "save_hf": "pdjax.model.hf",
     "save_params": "pdjax.model.hf",
     "decode_step": "pdjax.api", "forward": "pdjax.api", "generate": "pdjax.api", "prefill": "pdjax.api",
-    "init_params": "pdjax.model.transformer",
+    "init_params": "pdjax.model.transformer", "loss": "pdjax.model.loss",
     "stack_layers": "pdjax.model.layer_scan", "unstack_layers": "pdjax.model.layer_scan",
 }
 
@@ -55,6 +56,6 @@ def __dir__():
 
 __all__ = [
     "ModelConfig", "RopeScaling", "KVCache", "configs", "decode_step", "forward", "generate",
-    "init_cache", "init_params", "load_hf", "prefill", "restore_params", "save_hf", "save_params",
+    "init_cache", "init_params", "load_hf", "loss", "prefill", "restore_params", "save_hf", "save_params",
     "stack_layers", "unstack_layers",
 ]

@@ -6,10 +6,11 @@ from __future__ import annotations
 import jax
 
 from pdjax.config import ModelConfig
-from pdjax.model import checks, transformer
+from pdjax.model import checks, mtp_decode, transformer
+from pdjax.model.sharding import ShardingRules
 from pdjax.parallel.dbo import DualBatchOverlap
 from pdjax.parallel.ep import ExpertParallel
-from pdjax.parallel.mesh import ShardingRules, batch_sharding, check_batch, shard_params
+from pdjax.parallel.mesh import batch_sharding, check_batch, shard_params
 
 
 def _on_mesh(params, cfg, mesh, batch: int, capacity_factor, rules, overlap, dispatch="auto"):
@@ -75,11 +76,19 @@ def decode_step(params, cfg: ModelConfig, next_tokens, cache, *, mesh=None, capa
 
 
 def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int, mesh=None, capacity_factor=None,
-             rules=None, overlap=None, dispatch="auto", **kwargs):
-    """Greedy generation; see :func:`pdjax.model.transformer.generate`."""
-    if mesh is None:
-        return transformer.generate(params, cfg, prompts, max_new_tokens=max_new_tokens, **kwargs)
-    params, ep, bs = _on_mesh(params, cfg, mesh, _batch_of(prompts), capacity_factor, rules, overlap,
-                                  dispatch)
-    return transformer.generate(params, cfg, prompts, max_new_tokens=max_new_tokens, moe_impl=ep,
-                                batch_sharding=bs, **kwargs)
+             rules=None, overlap=None, dispatch="auto", speculative=None, return_stats: bool = False, **kwargs):
+    """Greedy generation; see :func:`pdjax.model.transformer.generate`. ``speculative="mtp"``:
+    the MTP module drafts and the model verifies (:mod:`pdjax.model.mtp_decode`; the same
+    tokens). ``return_stats``: (tokens, stats) with ``accept_rate`` and ``tokens_per_step``
+    (None and 1.0 without drafts), ``steps`` (decode iterations) and ``drafts``."""
+    if speculative not in (None, "mtp"):
+        raise ValueError(f"speculative must be None or 'mtp', got {speculative!r}")
+    if mesh is not None:
+        params, ep, bs = _on_mesh(params, cfg, mesh, _batch_of(prompts), capacity_factor, rules, overlap, dispatch)
+        kwargs = {**kwargs, "moe_impl": ep} if speculative else {**kwargs, "moe_impl": ep, "batch_sharding": bs}
+    if speculative == "mtp":
+        out, stats = mtp_decode.generate(params, cfg, prompts, max_new_tokens=max_new_tokens, **kwargs)
+    else:
+        out = transformer.generate(params, cfg, prompts, max_new_tokens=max_new_tokens, **kwargs)
+        stats = {"accept_rate": None, "tokens_per_step": 1.0, "steps": max_new_tokens - 1, "drafts": 0}
+    return (out, stats) if return_stats else out

@@ -79,7 +79,9 @@ class ModelConfig:
 
     Dimensions: ``hidden_size`` D, ``num_attention_heads`` H, ``kv_lora_rank`` C (MLA latent),
     ``qk_rope_head_dim`` R (decoupled RoPE key shared by all heads), ``qk_nope_head_dim``,
-    ``v_head_dim``; ``q_lora_rank`` None means a plain q projection (V2-Lite).
+    ``v_head_dim``; ``q_lora_rank`` None means a plain q projection (V2-Lite);
+    ``num_nextn_predict_layers``: DeepSeek-V3's multi-token-prediction depths
+    (:mod:`pdjax.model.mtp`; 0: none).
 
     Precision (pdjax fields, not HF ones; written to and read from ``config.json`` by
     :meth:`to_hf_dict` / :func:`from_hf_dict`). Each is a dtype name; short names ("bf16",
@@ -125,6 +127,7 @@ class ModelConfig:
     rope_scaling: Optional[RopeScaling] = None
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
+    num_nextn_predict_layers: int = 0
     model_type: str = "deepseek_v3"
     param_dtype: str = "float32"
     compute_dtype: str = "float32"

@@ -21,7 +21,7 @@ TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
               "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
               "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "n_group", "topk_group",
-              "first_k_dense_replace", "moe_layer_freq", "max_position_embeddings")
+              "first_k_dense_replace", "moe_layer_freq", "max_position_embeddings", "num_nextn_predict_layers")
 FLOAT_FIELDS = ("routed_scaling_factor", "rope_theta", "rms_norm_eps")
 BOOL_FIELDS = ("norm_topk_prob", "tie_word_embeddings")
 STR_FIELDS = ("scoring_func", "topk_method", "model_type")
@@ -111,7 +111,10 @@ def validate(cfg) -> None:
         raise ValueError(f"ModelConfig.qk_rope_head_dim must be even for RoPE pairs, got {cfg.qk_rope_head_dim}")
     if cfg.first_k_dense_replace < 0:
         raise ValueError(f"ModelConfig.first_k_dense_replace must be >= 0, got {cfg.first_k_dense_replace}")
-    has_dense = any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)) if cfg.n_routed_experts else True
+    if cfg.num_nextn_predict_layers < 0:
+        raise ValueError(f"ModelConfig.num_nextn_predict_layers must be >= 0, got {cfg.num_nextn_predict_layers}")
+    layers = range(cfg.num_hidden_layers + cfg.num_nextn_predict_layers)       # the MTP blocks too
+    has_dense = any(not cfg.is_moe_layer(i) for i in layers) if cfg.n_routed_experts else True
     if has_dense:
         _positive(cfg, ["intermediate_size"])
     if cfg.n_routed_experts < 0:

@@ -37,7 +37,7 @@ def small(**overrides) -> ModelConfig:
 
 
 def deepseek_v3(**overrides) -> ModelConfig:
-    """DeepSeek-V3 / R1 (671B total, 37B active), as in its config.json."""
+    """DeepSeek-V3 / R1 (671B total, 37B active; one MTP depth beside them), as in its config.json."""
     cfg = ModelConfig(
         vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
         num_hidden_layers=61, num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512,
@@ -48,7 +48,7 @@ def deepseek_v3(**overrides) -> ModelConfig:
         rope_theta=10000.0,
         rope_scaling=RopeScaling(factor=40.0, original_max_position_embeddings=4096,
                                  beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
-        model_type="deepseek_v3")
+        num_nextn_predict_layers=1, model_type="deepseek_v3")
     return cfg.replace(**overrides) if overrides else cfg
 
 

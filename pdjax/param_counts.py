@@ -13,8 +13,8 @@ Conventions (checked against the published figures in ``tests/analysis``):
   too (``active_with_embedding``) gives 37.55e9 / 21.38e9 / 2.66e9, which misses V3's
   "37B"; leaving out the head as well gives 35.70e9 / 20.33e9 / 2.24e9, which misses both.
   DeepSeek-V3's published N_a = 37 B is this ``active`` count.
-* ``mtp`` counts ``mtp_layers`` MTP modules (DeepSeek-V3 has one; ModelConfig does not
-  carry the field, so pass it): each is one MoE decoder layer plus its projection
+* ``mtp`` counts ``mtp_layers`` MTP modules (default the config's
+  ``num_nextn_predict_layers``; DeepSeek-V3 has one), apart from ``total``: each is one MoE decoder layer plus its projection
   ``eh_proj`` (2D x D) and three RMSNorms; it shares the embedding and head with the main
   model. The HF checkpoint stores its own copies of both, so
   ``checkpoint_total = total + mtp + mtp_layers * (embedding + lm_head)`` = 684.5e9 for V3
@@ -59,9 +59,10 @@ class ParamCounts:
                   "shared_experts", "router", "mtp")
 
     def table(self) -> list[tuple[str, int]]:
-        """``(row, count)``: every component, then the total and the active count."""
-        rows = [(k, getattr(self, k)) for k in self.COMPONENTS if k != "mtp" or self.mtp]
-        return rows + [("total", self.total), ("active per token", self.active)]
+        """``(row, count)``: every component of the main model, the total, the MTP modules
+        (apart from the total, when there are any) and the active count."""
+        rows = [(k, getattr(self, k)) for k in self.COMPONENTS if k != "mtp"] + [("total", self.total)]
+        return rows + ([("mtp (apart)", self.mtp)] if self.mtp else []) + [("active per token", self.active)]
 
     def _repr_html_(self) -> str:
         cells = "".join(f"<tr><td>{k}</td><td style='text-align:right'>{v:,}</td>"
@@ -126,12 +127,14 @@ def _router_params(cfg: "ModelConfig") -> int:
     return cfg.n_routed_experts * cfg.hidden_size + bias
 
 
-def param_counts(cfg: "ModelConfig", mtp_layers: int = 0) -> ParamCounts:
+def param_counts(cfg: "ModelConfig", mtp_layers: int | None = None) -> ParamCounts:
     """Count the parameters of ``cfg`` by component; see the module docstring for which
-    sums reproduce the published totals. ``mtp_layers``: MTP modules to count (V3: 1)."""
+    sums reproduce the published totals. ``mtp_layers``: MTP modules to count (default
+    ``cfg.num_nextn_predict_layers``; V3: 1), reported apart from ``total``."""
     missing = [f for f in _FIELDS if not hasattr(cfg, f)]
     if missing:
         raise TypeError(f"param_counts expects a ModelConfig, got {type(cfg).__name__} (no {missing[0]!r})")
+    mtp_layers = getattr(cfg, "num_nextn_predict_layers", 0) if mtp_layers is None else mtp_layers
     check_int("mtp_layers", mtp_layers, 0)
     d = cfg.hidden_size
     n_layers = cfg.num_hidden_layers

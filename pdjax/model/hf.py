@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -22,11 +21,12 @@ import numpy as np
 from pdjax.config import PARAM_DTYPES, ModelConfig, dtype_name, load_hf_config
 # the checks of a checkpoint against its config live in hf_checks; expected_tensors importable here
 from pdjax.model.checks import check_mesh
-from pdjax.model.hf_checks import check_checkpoint, expected_tensors, mtp_layer_count, stored_dtype  # noqa: F401
+from pdjax.model.hf_checks import (MTP_COPIES, check_checkpoint, expected_tensors, mtp_layers,  # noqa: F401
+                                   stored_dtype)
 # the safetensors files live in hf_files; importable here
 from pdjax.model.hf_files import (FP8_BLOCK, Deferred, DeferredStack, SafetensorsFile, _dequant_fp8,  # noqa: F401
                                   _getter, _host, open_checkpoint, write_safetensors)
-from pdjax.model.params import init_params, placement
+from pdjax.model.params import param_shapes, param_shardings
 
 
 # ---- the name map -------------------------------------------------------------------------
@@ -87,8 +87,16 @@ def params_from_tensors(cfg: ModelConfig, get, lazy: bool = False) -> dict:
         leaf, stack = (lambda make: make()), np.stack
     layers = [_layer_from_hf(cfg, get, i, leaf, stack) for i in range(cfg.num_hidden_layers)]
     head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-    return {"embed": leaf(lambda: get("model.embed_tokens.weight")), "layers": layers,
-            "final_norm": leaf(lambda: get("model.norm.weight")), "lm_head": leaf(lambda: get(head).T)}
+    out = {"embed": leaf(lambda: get("model.embed_tokens.weight")), "layers": layers,
+           "final_norm": leaf(lambda: get("model.norm.weight")), "lm_head": leaf(lambda: get(head).T)}
+    if cfg.num_nextn_predict_layers:
+        out["mtp"] = [{"enorm": leaf(lambda a=f"model.layers.{i}.": get(a + "enorm.weight")),
+                       "hnorm": leaf(lambda a=f"model.layers.{i}.": get(a + "hnorm.weight")),
+                       "eh_proj": leaf(lambda a=f"model.layers.{i}.": get(a + "eh_proj.weight").T),
+                       "layer": _layer_from_hf(cfg, get, i, leaf, stack),
+                       "head_norm": leaf(lambda a=f"model.layers.{i}.": get(a + "shared_head.norm.weight"))}
+                      for i in mtp_layers(cfg)]
+    return out
 
 
 def params_to_tensors(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
@@ -104,8 +112,14 @@ def params_to_tensors(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
         out[prefix + "up_proj.weight"] = sel(p["w_up"]).T
         out[prefix + "down_proj.weight"] = sel(p["w_down"]).T
 
-    for i, lp in enumerate(params["layers"]):
+    L = len(params["layers"])
+    for i, lp in enumerate([*params["layers"], *(d["layer"] for d in params.get("mtp", ()))]):
         a = f"model.layers.{i}."
+        if i >= L:                                # an MTP depth: its own tensors, the copies V3 stores
+            d = params["mtp"][i - L]
+            out.update({a + "enorm.weight": d["enorm"], a + "hnorm.weight": d["hnorm"],
+                        a + "eh_proj.weight": d["eh_proj"].T, a + "shared_head.norm.weight": d["head_norm"],
+                        a + "embed_tokens.weight": params["embed"], a + "shared_head.head.weight": params["lm_head"].T})
         s = a + "self_attn."
         at = lp["attn"]
         out[a + "input_layernorm.weight"] = lp["attn_norm"]
@@ -164,21 +178,32 @@ def _materialise(cfg: ModelConfig, lazy, mesh, rules):
     devices or many processes'), each straight into its sharding by :func:`_place`."""
     # shapes and dtypes (router_bias float32) of the params, from the model's own definition
     # (traced, so nothing is computed: the load runs no program, hence no collective)
-    shapes = jax.eval_shape(lambda key: init_params(cfg, key), jax.eval_shape(jax.random.key, 0))
+    shapes = param_shapes(cfg)
     if mesh is None:
         return jax.tree.map(lambda d, like: jnp.asarray(_host(d.read(), like)), lazy, shapes)
-    return jax.tree.map(_place, lazy, shapes, placement(shapes, cfg, mesh, rules))
+    return jax.tree.map(_place, lazy, shapes, param_shardings(shapes, cfg, mesh, rules))
 
 
-def load_hf(path: str, dtype=None, *, mesh=None, rules=None):
+def _check_copies(cfg: ModelConfig, get, names, path: str) -> None:
+    """The MTP layers' copies of the embedding and head equal the model's (pdjax shares them,
+    as DeepSeek-V3 trains them)."""
+    for name in names:
+        main = MTP_COPIES[name.split(".", 3)[3]]
+        main = "model.embed_tokens.weight" if main == "lm_head.weight" and cfg.tie_word_embeddings else main
+        if not np.array_equal(get(name), get(main)):
+            raise ValueError(f"tensor {name} of checkpoint {path} differs from {main}: pdjax shares the model's "
+                             "embedding and head with its multi-token-prediction layers, so their copies must be "
+                             "equal (load_hf(path, mtp=False) loads the model without them)")
+
+
+def load_hf(path: str, dtype=None, *, mesh=None, rules=None, mtp: bool = True):
     """Load a HF DeepSeek-V2/V3 checkpoint directory. Returns (cfg, params).
 
     ``dtype``: the params' dtype (float32, bfloat16 or float16); default the checkpoint's own,
     the dtype of its embedding (block-FP8 weights are dequantised to it). The returned
     ``cfg.param_dtype`` is the dtype loaded; ``router_bias`` is float32 whatever it is.
-    ``mesh`` (a jax.sharding.Mesh, with optional ``rules``: :class:`pdjax.parallel.ShardingRules`
-    or any :class:`pdjax.model.sharding.AxisRules`, mapping the logical axes the model declares
-    for every weight): the params are placed as :func:`pdjax.parallel.shard_params` would place them, straight
+    ``mesh`` (a jax.sharding.Mesh, with optional ``rules``: :class:`pdjax.parallel.ShardingRules`,
+    mapping the logical axes the model declares for every weight): the params are placed as :func:`pdjax.parallel.shard_params` would place them, straight
     from the files with ``jax.make_array_from_callback``: each process reads only the parts
     its own devices hold (e.g. only its experts), each distinct part once, a replicated tensor
     once, and never one another process holds; the mesh may span processes
@@ -191,8 +216,13 @@ def load_hf(path: str, dtype=None, *, mesh=None, rules=None):
     and naming the tensor or config.json field for a checkpoint that disagrees with its
     config.json (:mod:`pdjax.model.hf_checks`): layer or routed-expert counts, a missing or
     unexpected tensor, a shape, a stored dtype that is not a float (block-FP8 only with its
-    ``weight_scale_inv``). The ``num_nextn_predict_layers`` multi-token-prediction layers
-    config.json declares after the decoder's are skipped with a warning.
+    ``weight_scale_inv``).
+
+    The ``num_nextn_predict_layers`` multi-token-prediction layers config.json declares after
+    the decoder's (layer 61 of V3) load into ``params["mtp"]`` (:mod:`pdjax.model.mtp`); the
+    copies of the embedding and head they store must equal the model's (a ValueError names
+    the one that differs). ``mtp=False`` leaves them out: the config returned then has
+    ``num_nextn_predict_layers=0``.
     """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a checkpoint directory (str or os.PathLike), got {path!r}")
@@ -201,16 +231,16 @@ def load_hf(path: str, dtype=None, *, mesh=None, rules=None):
         dtype_name(dtype, "load_hf dtype", PARAM_DTYPES)        # before reading anything
     path = os.fspath(path)
     cfg = load_hf_config(path)
-    nextn = mtp_layer_count(path)
     readers, where = open_checkpoint(path)
-    mtp = check_checkpoint(cfg, path, readers, where, nextn)
+    left = check_checkpoint(cfg, path, readers, where, bool(mtp))
     if dtype is None:
         dtype = stored_dtype(path, readers, where)
-    cfg = cfg.replace(param_dtype=dtype_name(dtype, "load_hf dtype", PARAM_DTYPES))
+    get = _getter(readers, where)
     if mtp:
-        layers = sorted({int(n.split('.')[2]) for n in mtp})
-        warnings.warn(f"skipping multi-token-prediction layers {layers} ({len(mtp)} tensors)")
-    lazy = params_from_tensors(cfg, _getter(readers, where), lazy=True)
+        _check_copies(cfg, get, left, path)
+    cfg = cfg.replace(param_dtype=dtype_name(dtype, "load_hf dtype", PARAM_DTYPES),
+                      num_nextn_predict_layers=cfg.num_nextn_predict_layers if mtp else 0)
+    lazy = params_from_tensors(cfg, get, lazy=True)
     return cfg, _materialise(cfg, lazy, mesh, rules)
 
 

@@ -43,8 +43,8 @@ from pdjax.config import ModelConfig
 from pdjax.model import dots, layer_scan, mla
 from pdjax.model import moe as moe_lib
 from pdjax.model.cache import KVCache, host_lengths, remember_lengths, to_cache_dtype, write_rows
-from pdjax.model.checks import (check_cache, check_layers, check_lengths, check_tokens, is_tracer, on_device,
-                                prompt_problem)
+from pdjax.model.checks import check_cache, check_layers, check_lengths, check_tokens, is_tracer, on_device
+from pdjax.model.prompts import pad_prompts
 # init_params and param_dtype live in pdjax.model.params; importable here, where callers look
 from pdjax.model.params import init_params, param_dtype  # noqa: F401
 
@@ -123,8 +123,17 @@ def embed(params, tokens, cfg: ModelConfig | None = None):
 def head(params, cfg: ModelConfig, x):
     """Final RMSNorm and the LM head in the compute dtype, accumulated in float32: logits
     [..., V] float32."""
-    x = mla.rms_norm(x.astype(cfg.compute_dtype), params["final_norm"], cfg.rms_norm_eps)
-    return dots.einsum_f32("...D,DV->...V", x, params["lm_head"].astype(x.dtype))
+    return logits_of(params, final_hidden(params, cfg, x))
+
+
+def final_hidden(params, cfg: ModelConfig, x):
+    """The final RMSNorm of the last layer's output: what the head and MTP depth 1 read."""
+    return mla.rms_norm(x.astype(cfg.compute_dtype), params["final_norm"], cfg.rms_norm_eps)
+
+
+def logits_of(params, g):
+    """The LM head on normed states (the main model's, or an MTP depth's): float32 logits."""
+    return dots.einsum_f32("...D,DV->...V", g, params["lm_head"].astype(g.dtype))
 
 
 # ---- jitted cores ------------------------------------------------------------------------
@@ -177,11 +186,17 @@ _forward = jax.jit(_with_stats(forward_core), static_argnames=("cfg", "moe_impl"
 def run_with_cache(params, cfg, tokens_BT, cache, new_lengths_B, absorbed=False, moe_impl=None,
                    valid_BT=None):
     """Unjitted chunk through the model with a cache (prefill chunk or decode step)."""
+    x, cache = chunk_core(params, cfg, tokens_BT, cache, new_lengths_B, absorbed, moe_impl, valid_BT)
+    return head(params, cfg, x), cache
+
+
+def chunk_core(params, cfg, tokens_BT, cache, new_lengths_B, absorbed=False, moe_impl=None, valid_BT=None):
+    """:func:`run_with_cache` up to the last layer's output: (x [B,T,D], cache)."""
     start = cache.lengths
     q_pos = start[:, None] + jnp.arange(tokens_BT.shape[1], dtype=jnp.int32)[None, :]
     x, new_kv = run_layers(params, cfg, embed(params, tokens_BT, cfg), q_pos, cache.layers(), start, absorbed,
                            moe_impl, valid_BT)
-    return head(params, cfg, x), cache.with_layers(new_kv, start + new_lengths_B)
+    return x, cache.with_layers(new_kv, start + new_lengths_B)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "absorbed", "moe_impl"), donate_argnames=("cache",))
@@ -199,17 +214,22 @@ def _valid(T, lengths_B):
 @functools.partial(jax.jit, static_argnames=("cfg", "max_len", "absorbed", "moe_impl"))
 @_with_stats
 def _prefill_fresh(params, cfg, tokens_BT, lengths_B, max_len, absorbed=False, moe_impl=None):
+    x, cache = fresh_core(params, cfg, tokens_BT, lengths_B, max_len, absorbed, moe_impl)
+    return head(params, cfg, x), cache
+
+
+def fresh_core(params, cfg, tokens_BT, lengths_B, max_len, absorbed=False, moe_impl=None):
     """Prefill into a new cache: the chunk attends to itself only (nothing is cached yet), and
-    its latents are then laid into a cache of max_len positions."""
+    its latents are then laid into a cache of max_len positions. (x [B,T,D], cache)."""
     B, T = tokens_BT.shape
     q_pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     x, new_kv = run_layers(params, cfg, embed(params, tokens_BT, cfg), q_pos, None, None, absorbed, moe_impl,
                            _valid(T, lengths_B))
     if layer_scan.is_stacked(params):
-        return head(params, cfg, x), layer_scan.fresh_cache(new_kv, lengths_B, max_len, cfg)
+        return x, layer_scan.fresh_cache(new_kv, lengths_B, max_len, cfg)
     kv = tuple(jnp.pad(to_cache_dtype(k, cfg.kv_cache_dtype), ((0, 0), (0, max_len - T), (0, 0)))
                for k in new_kv)
-    return head(params, cfg, x), KVCache(kv=kv, lengths=lengths_B.astype(jnp.int32))
+    return x, KVCache(kv=kv, lengths=lengths_B.astype(jnp.int32))
 
 
 def decode_core(params, cfg, tokens_B, cache, moe_impl=None, valid_B=None):
@@ -341,27 +361,6 @@ def decode_step(params, cfg: ModelConfig, next_tokens, cache: KVCache, *, moe_im
     return _finish(out, stats, moe_impl, return_stats, "decode_step")
 
 
-def _pad_prompts(cfg: ModelConfig, prompts):
-    """prompts (array [B,T] or ragged list) -> (tokens [B,T] right-padded, lengths [B], ragged)."""
-    ragged = isinstance(prompts, (list, tuple))
-    if not ragged:
-        tokens = np.asarray(prompts)
-        check_tokens(cfg, tokens, 2, "prompts")
-        return tokens, np.full((tokens.shape[0],), tokens.shape[1], np.int32), False
-    if not prompts:
-        raise ValueError("prompts is empty")
-    for i, p in enumerate(prompts):
-        problem = prompt_problem(p, cfg.vocab_size)
-        if problem is not None:
-            kind, why = problem
-            raise kind(f"prompt {i} {why}")
-    lens = [len(p) for p in prompts]
-    padded = np.zeros((len(prompts), max(lens)), np.int64)
-    for i, p in enumerate(prompts):
-        padded[i, : len(p)] = np.asarray(p)
-    return padded, np.asarray(lens, np.int32), True
-
-
 def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int, max_len: int | None = None,
              moe_impl=None, batch_sharding=None):
     """Greedy generation.
@@ -374,7 +373,7 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int, max_len:
     if max_len is not None:
         max_len = check_int("max_len", max_len)
     check_layers(params, cfg, None, moe_impl)
-    tokens, lengths, ragged = _pad_prompts(cfg, prompts)
+    tokens, lengths, ragged = pad_prompts(cfg, prompts)
     need = int(lengths.max()) + max_new_tokens
     max_len = need if max_len is None else max_len
     if need > max_len:

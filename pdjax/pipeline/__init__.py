@@ -17,12 +17,12 @@ from pdjax.schedules import (DeadlockError, Layout, Schedule, ScheduleError, Sea
 
 from .measurement import measure_schedule
 from .executor import Executor
-from .stages import next_token_loss, split_layers
+from .stages import split_layers
 from .training import TrainState, train
 
 __all__ = [
     "DeadlockError", "Executor", "Layout", "Schedule", "ScheduleError", "SearchResult",
     "Timeline", "TrainState", "bubble_formula", "build", "compare", "format_report", "formula_conditions",
-    "lower_bound", "measure_schedule", "memory_table", "next_token_loss", "plot", "search", "simulate",
+    "lower_bound", "measure_schedule", "memory_table", "plot", "search", "simulate",
     "split_layers", "stage_costs", "train", "validate",
 ]

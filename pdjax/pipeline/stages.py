@@ -37,6 +37,7 @@ from jax._src import core as jcore
 
 from pdjax.config import ModelConfig
 from pdjax.model import transformer as tfm
+from pdjax.model.loss import next_token_loss_sum
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,21 +87,6 @@ def chunk_params(params: dict, chunk: Chunk) -> dict:
         sp["final_norm"] = params["final_norm"]
         sp["lm_head"] = params["lm_head"]
     return sp
-
-
-def next_token_loss_sum(logits_BTV, tokens_BT):
-    """Sum over rows and positions 0..T-2 of -log p(token[t+1]) (float32)."""
-    logp = jax.nn.log_softmax(logits_BTV[:, :-1].astype(jnp.float32), axis=-1)
-    picked = jnp.take_along_axis(logp, tokens_BT[:, 1:, None], axis=-1)
-    return -jnp.sum(picked)
-
-
-def next_token_loss(params, cfg: ModelConfig, tokens_BT, moe_impl=None):
-    """The unsplit model's mean next-token cross-entropy over a batch [B,T] (the reference
-    the pipeline's loss and gradients equal)."""
-    logits = tfm.forward_core(params, cfg, tokens_BT, moe_impl)
-    B, T = tokens_BT.shape
-    return next_token_loss_sum(logits, tokens_BT) / (B * (T - 1))
 
 
 def _layers(sp, cfg, h_BTD, moe_impl):

@@ -105,8 +105,11 @@ def test_unknown_dtype():
 def test_param_counts_match_the_model_tree(preset):
     cfg = pdjax.configs.preset(preset)
     shapes = jax.eval_shape(lambda: pdjax.init_params(cfg, jax.random.key(0)))
-    n = sum(int(np.prod(leaf.shape)) for leaf in jax.tree_util.tree_leaves(shapes))
+    n = sum(int(np.prod(leaf.shape)) for leaf in jax.tree_util.tree_leaves({k: v for k, v in shapes.items()
+                                                                          if k != "mtp"}))
     assert A.param_counts(cfg).total == n
+    mtp = sum(int(np.prod(leaf.shape)) for leaf in jax.tree_util.tree_leaves(shapes.get("mtp", [])))
+    assert A.param_counts(cfg).mtp == mtp and (mtp > 0) == (preset == "deepseek_v3")
 
 
 @pytest.mark.parametrize("preset, total_b, active_b, decimals", [
@@ -134,7 +137,8 @@ def test_mtp_module_count():
     # DeepSeek: "685B = 671B main model + 14B MTP"; this count gives 684.5B / 13.5B.
     assert abs(v3.checkpoint_total / 1e9 - 685) < 1
     assert abs((v3.checkpoint_total - v3.total) / 1e9 - 14) < 1
-    assert A.param_counts(pdjax.configs.deepseek_v3()).mtp == 0
+    assert A.param_counts(pdjax.configs.deepseek_v3()).mtp == v3.mtp          # the config's one MTP depth
+    assert A.param_counts(pdjax.configs.deepseek_v3(), mtp_layers=0).mtp == 0
     with pytest.raises(ValueError, match="mtp_layers"):
         A.param_counts(pdjax.configs.deepseek_v3(), mtp_layers=-1)
 

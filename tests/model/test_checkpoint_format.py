@@ -222,8 +222,11 @@ CONFIG_CASES = {
     "more layers": ({"num_hidden_layers": 4}, "holds 3 layers .* config.json num_hidden_layers=4"),
     "an extra decoder layer called MTP": ({"num_hidden_layers": 2, "num_nextn_predict_layers": 1},
                                           "layer 2 .* holds no eh_proj.weight"),
-    "bad num_nextn_predict_layers": ({"num_nextn_predict_layers": -1}, "num_nextn_predict_layers=-1"),
-    "bool num_nextn_predict_layers": ({"num_nextn_predict_layers": True}, "num_nextn_predict_layers=True"),
+    "bad num_nextn_predict_layers": ({"num_nextn_predict_layers": -1}, "num_nextn_predict_layers must be >= 0, got -1"),
+    "bool num_nextn_predict_layers": ({"num_nextn_predict_layers": True},
+                                      "num_nextn_predict_layers must be an integer, got True"),
+    "a declared MTP layer missing": ({"num_nextn_predict_layers": 1},
+                                     "declares num_nextn_predict_layers=1, the checkpoint holds 0 such layers"),
     "other expert count": ({"n_routed_experts": 16},
                            "layer 1 .* holds 8 routed experts, config.json n_routed_experts=16"),
     "experts in a dense layer": ({"first_k_dense_replace": 2},
@@ -246,9 +249,10 @@ def test_config_json_against_the_tensors(ckpt, rejects, case):
     rejects(ckpt, match)
 
 
-def test_declared_mtp_layer_is_skipped(ckpt, saved):
-    """A layer after the decoder's, with its eh_proj, loads with a warning when config.json
-    declares it (num_nextn_predict_layers) and the decoder loads as without it."""
+def test_declared_mtp_layer_is_left_out_on_request(ckpt, saved):
+    """A layer after the decoder's, with its eh_proj, is refused unless config.json declares
+    it (num_nextn_predict_layers); declared, load_hf(mtp=False) leaves it out and the decoder
+    loads as without it (this one lacks the rest of an MTP layer: loaded, it is refused)."""
     def add_mtp(t):
         for name in [n for n in t if n.startswith("model.layers.2.")]:
             t[name.replace("layers.2.", "layers.3.")] = t[name]
@@ -259,8 +263,10 @@ def test_declared_mtp_layer_is_skipped(ckpt, saved):
     with pytest.raises(ValueError, match="holds 4 layers"):
         pdjax.load_hf(str(ckpt))
     _config(ckpt, num_nextn_predict_layers=1)
-    with pytest.warns(UserWarning, match="multi-token-prediction layers \\[3\\]"):
-        _, params = pdjax.load_hf(str(ckpt))
+    with pytest.raises(ValueError, match="missing tensor model.layers.3.enorm.weight"):
+        pdjax.load_hf(str(ckpt))
+    cfg, params = pdjax.load_hf(str(ckpt), mtp=False)
+    assert cfg.num_nextn_predict_layers == 0
     jax.tree.map(np.testing.assert_array_equal, params, saved[1])
 
 

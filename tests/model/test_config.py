@@ -52,7 +52,8 @@ def test_config_displays_its_parameter_counts():
     cfg = pdjax.configs.deepseek_v3()
     counts = param_counts(cfg)
     rows = dict(counts.table())
-    assert sum(v for k, v in rows.items() if k not in ("total", "active per token")) == rows["total"]
+    assert sum(v for k, v in rows.items() if k not in ("total", "mtp (apart)", "active per token")) == rows["total"]
+    assert rows["mtp (apart)"] == counts.mtp > 0                        # V3's MTP module, not in the 671B
     page = cfg._repr_html_()
     for value in (counts.total, counts.active, counts.routed_experts):
         assert f"{value:,}" in page

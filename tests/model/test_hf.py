@@ -146,14 +146,18 @@ def test_missing_unexpected_and_misshapen_tensors(tmp_path):
         pdjax.load_hf(str(src))
 
 
-def test_mtp_layers_skipped_with_warning(tmp_path):
+def test_mtp_layers_left_out_on_request(tmp_path):
+    """A declared MTP layer that is not a whole one (an eh_proj alone) fails the load naming
+    what it lacks; load_hf(mtp=False) reads the model without it."""
     src = _copy("deepseek_v2_tiny", tmp_path)
     _rewrite(src, lambda t: t.update({"model.layers.3.eh_proj.weight": np.zeros((2, 2), np.float32)}))
     # only the multi-token-prediction layers config.json declares may follow the decoder's
     (src / "config.json").write_text(json.dumps({**json.load(open(src / "config.json")),
                                                   "num_nextn_predict_layers": 1}))
-    with pytest.warns(UserWarning, match="multi-token-prediction layers \\[3\\]"):
+    with pytest.raises(ValueError, match="layer 3 of checkpoint .* holds 0 routed experts"):
         pdjax.load_hf(str(src))
+    cfg, params = pdjax.load_hf(str(src), mtp=False)
+    assert cfg.num_nextn_predict_layers == 0 and "mtp" not in params
 
 
 # ---- dtype and placement ---------------------------------------------------------------------

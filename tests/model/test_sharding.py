@@ -1,6 +1,7 @@
 """The model owns its sharding: every weight's logical axes are declared where it is made
 (pdjax/model/sharding.py), a weight without a declaration fails naming it, the default
-placement is ShardingRules.default's, and pdjax.model never imports pdjax.parallel."""
+placement is ShardingRules.default's, the rules and the params' shardings are declared once
+(pdjax.parallel's are the model's), and pdjax.model never imports pdjax.parallel."""
 
 import ast
 import pathlib
@@ -41,8 +42,10 @@ def test_every_param_declares_its_logical_axes(name):
         if "experts" in ax:
             experts.append(sharding.path_name(path))
             assert ax.index("experts") == 0 and leaf.shape[0] == cfg.n_routed_experts
-    moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
-    assert sorted(experts) == sorted(f"layers/{i}/moe/{w}" for i in moe for w in ("w_gate", "w_up", "w_down"))
+    moe = [f"layers/{i}" for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    moe += [f"mtp/{j}/layer" for j in range(cfg.num_nextn_predict_layers)       # the MTP blocks' experts too
+            if cfg.is_moe_layer(cfg.num_hidden_layers + j)]
+    assert sorted(experts) == sorted(f"{at}/moe/{w}" for at in moe for w in ("w_gate", "w_up", "w_down"))
 
 
 def test_a_param_without_a_declaration_is_named(tiny_cfg, tiny_params, monkeypatch):
@@ -56,7 +59,7 @@ def test_a_param_without_a_declaration_is_named(tiny_cfg, tiny_params, monkeypat
     layers[1] = {**layers[1], "attn": {**layers[1]["attn"], "w_extra": np.zeros((4, 4), np.float32)}}
     extended = {**tiny_params, "layers": layers}
     with pytest.raises(ValueError, match="layers/1/attn/w_extra has no logical-axis declaration"):
-        model_params.logical_axes(extended, tiny_cfg)
+        model_params.param_logical_axes(extended, tiny_cfg)
     with pytest.raises(ValueError, match="layers/1/attn/w_extra has no logical-axis declaration"):
         param_shardings(extended, tiny_cfg, mesh)
     with pytest.raises(ValueError, match="lm_head has shape"):            # a declared weight of another rank
@@ -73,15 +76,24 @@ def test_a_param_without_a_declaration_is_named(tiny_cfg, tiny_params, monkeypat
 
 def test_parts_of_the_params_map_and_the_default_placement_is_sharding_rules_default(tiny_cfg, tiny_params):
     """Parts of the params (a pipeline stage's layers, the FFN side's routed experts) and
-    EPLB-placed params map by path; the model's default (ExpertRules) places every param as
-    ShardingRules.default does, on meshes with and without an expert axis."""
+    EPLB-placed params map by path; without rules every param is placed as
+    ShardingRules.default does (routed experts over the expert axis, the rest whole), on
+    meshes with and without an expert axis; pdjax.parallel's rules and functions are the
+    model's, declared once."""
+    from pdjax import parallel
     from pdjax.parallel import ShardingRules, make_mesh, param_shardings, place_experts
 
+    assert ShardingRules is sharding.ShardingRules and param_shardings is model_params.param_shardings
+    assert parallel.param_logical_axes is model_params.param_logical_axes
     shapes = jax.eval_shape(lambda: tiny_params)
     for axes in ({"data": 2, "expert": 4}, {"expert": 8}, {"data": 8}):
         mesh = make_mesh(axes)
-        want = param_shardings(shapes, tiny_cfg, mesh, ShardingRules.default(mesh))
-        assert model_params.placement(shapes, tiny_cfg, mesh) == want
+        got = param_shardings(shapes, tiny_cfg, mesh)
+        assert got == param_shardings(shapes, tiny_cfg, mesh, ShardingRules.default(mesh))
+        expert = "expert" if "expert" in axes else None
+        for (path, ax), s in zip(jax.tree_util.tree_flatten_with_path(model_params.param_axes(tiny_cfg),
+                                                                      is_leaf=_is_axes)[0], jax.tree.leaves(got)):
+            assert s.spec == P(*(expert if a == "experts" else None for a in ax)), sharding.path_name(path)
     mesh = make_mesh({"data": 2, "expert": 4})
     stage = {"layers": tiny_params["layers"][1:], "lm_head": tiny_params["lm_head"]}
     got = param_shardings(stage, tiny_cfg, mesh)

@@ -35,7 +35,7 @@ def exec_tokens(exec_cfg):
 @pytest.fixture(scope="session")
 def exec_reference(exec_cfg, exec_params, exec_tokens):
     """(loss, grads) of jax.value_and_grad of the unsplit model on the whole batch."""
-    f = jax.jit(jax.value_and_grad(pp.next_token_loss), static_argnums=1)
+    f = jax.jit(jax.value_and_grad(pdjax.loss), static_argnums=1)
     return f(exec_params, exec_cfg, exec_tokens)
 
 

@@ -67,7 +67,7 @@ for name, dense in (("dense", 4), ("moe", 2)):
     stats = {k: compiled.STATS[k] - before[k] for k in before}
     n = len(compiles) - n0
     loss, grads = ex.step(params, tokens)
-    ref_loss, ref_grads = jax.jit(jax.value_and_grad(pp.next_token_loss), static_argnums=1)(params, cfg, tokens)
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(pdjax.loss), static_argnums=1)(params, cfg, tokens)
     err = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in
               zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)))
     programs = sum(1 for i in info for k in "FBIW" if getattr(i, k) is not None) + len(info) + sum(

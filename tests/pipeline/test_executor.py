@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import pdjax.pipeline as pp
-from pdjax.pipeline import stages
+from pdjax.model.loss import next_token_loss_sum
 from pdjax.schedules.ops import Op
 from pdjax.schedules.layout import Pipeline
 
@@ -60,7 +60,7 @@ def _unsplit_stage(cfg, chunk, scale):
             h, _ = tfm.layer(lp, cfg, h, q_pos)
         if not chunk.last:
             return h
-        return stages.next_token_loss_sum(tfm.head(p, cfg, h), tok) * scale
+        return next_token_loss_sum(tfm.head(p, cfg, h), tok) * scale
 
     def whole(sp, x, tok, gy):
         p = {k: v for k, v in sp.items() if k != "embed"}

@@ -7,6 +7,7 @@ import numpy as np
 import optax
 import pytest
 
+import pdjax
 import pdjax.pipeline as pp
 
 # the shapes of tests/pipeline/conftest.py's executor fixtures, so the compiled stage programs
@@ -41,7 +42,7 @@ def reference_curve(exec_cfg, exec_params):
     """The losses of plain single-device training: value_and_grad of the unsplit model and
     the same optax update, from the params train() builds by default (init_params, key 0)."""
     data = _progressions(exec_cfg.vocab_size, 0)
-    value_and_grad = jax.jit(jax.value_and_grad(pp.next_token_loss), static_argnums=1)
+    value_and_grad = jax.jit(jax.value_and_grad(pdjax.loss), static_argnums=1)
     update = jax.jit(OPTIMIZER.update)
     params, opt_state, losses = exec_params, OPTIMIZER.init(exec_params), []
     for tokens in data:
