@@ -21,7 +21,7 @@ compilation cache in ``~/.cache/pdjax/jax`` unless a cache directory is set or
 import importlib
 
 from pdjax import compilation, configs
-from pdjax.config import ModelConfig, RopeScaling
+from pdjax.model_config import ModelConfig, RopeScaling
 
 # jax's persistent compilation cache in the user's cache directory, unless they chose one or
 # opted out (PDJAX_NO_COMPILATION_CACHE=1): see pdjax.compilation

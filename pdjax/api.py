@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import jax
 
-from pdjax.config import ModelConfig
+from pdjax.model_config import ModelConfig
 from pdjax.model import checks, mtp_decode, transformer
 from pdjax.model.sharding import ShardingRules
 from pdjax.parallel.dbo import DualBatchOverlap

@@ -3,7 +3,7 @@ configs (for analysis: tests never allocate them); ``tiny`` and ``small`` run an
 
 from __future__ import annotations
 
-from pdjax.config import ModelConfig, RopeScaling
+from pdjax.model_config import ModelConfig, RopeScaling
 
 
 def tiny(**overrides) -> ModelConfig:

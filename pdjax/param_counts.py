@@ -22,7 +22,7 @@ Conventions (checked against the published figures in ``tests/analysis``):
 
 Norm weights and the V3 router bias are counted; they are negligible (< 0.01 %).
 
-A pure function of the config's fields, below :mod:`pdjax.config` (which shows the counts
+A pure function of the config's fields, below :mod:`pdjax.model_config` (which shows the counts
 in its notebook view), so it reads the fields it needs and imports no config class.
 """
 

@@ -2,7 +2,7 @@
 enters, and to which the calling thread comes back after leaving them (a return to a
 module already left is a seam a reader follows back and forth).
 
-    python scripts/trace_flows.py [executor|pd|experiment|train_launched ...]
+    python scripts/trace_flows.py [executor|pd|experiment|train_launched ...] [--modules]
 
 Each flow runs once, small, on the CPU (8 simulated devices), under ``sys.setprofile`` (and
 ``threading.setprofile`` for the threads it starts); only calls into ``pdjax/`` count, the
@@ -54,7 +54,7 @@ class Trace:
                 returned.add(cur)
                 returns += 1
         return {"modules": len(self.entered), "returned": len(returned), "returns": returns,
-                "steps": len(self.sequence)}
+                "steps": len(self.sequence), "entered": sorted(self.entered)}
 
 
 def traced(fn) -> dict:
@@ -140,11 +140,14 @@ FLOWS = {"executor": executor_flow, "pd": pd_flow, "experiment": experiment_flow
 
 
 def main(argv) -> None:
-    names = argv or [*FLOWS, "train_launched"]
+    listing = "--modules" in argv
+    names = [a for a in argv if a != "--modules"] or [*FLOWS, "train_launched"]
     for name in names:
         row = train_launched_flow() if name == "train_launched" else traced(FLOWS[name])
         print(f"{name:<15} modules entered {row['modules']:>3}   modules returned to {row['returned']:>3} "
               f"({row['returns']:>5} returns in {row['steps']:>5} module steps)", flush=True)
+        if listing:
+            print("  " + " ".join(row["entered"]), flush=True)
 
 
 if __name__ == "__main__":

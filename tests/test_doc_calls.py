@@ -70,7 +70,7 @@ from doc_refs import MARKDOWN, MODULES, ROOT, Snippet, clean, example_blocks, re
 
 SOURCES = [p for p in MARKDOWN + MODULES if rel(p) != os.path.join("docs", "api.md") and snippets(p)]
 
-PURE = ("pdjax.schedules", "pdjax.analysis", "pdjax.sim", "pdjax.configs", "pdjax.config")
+PURE = ("pdjax.schedules", "pdjax.analysis", "pdjax.sim", "pdjax.configs", "pdjax.model_config")
 NOT_RUN = {
     "pdjax.schedules.search.search": "a MILP schedule search: seconds",
     "pdjax.analysis.profile.read_profile": "reads a profiler trace the example does not have",

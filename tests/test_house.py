@@ -17,10 +17,11 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "pdjax"
 TESTS = pathlib.Path(__file__).resolve().parent
 MAX_MODULE_LINES, MAX_FUNCTION_LINES = 400, 60
 
-# The layering: config -> model -> parallel -> runtime / serving -> experiments; schedules,
+# The layering: model_config -> model -> parallel -> runtime / serving -> experiments; schedules,
 # analysis and sim are pure Python. (importer prefix, forbidden import prefix)
 FORBIDDEN = [
-    ("pdjax.config", "pdjax.model"), ("pdjax.config", "pdjax.parallel"), ("pdjax.config", "pdjax.analysis"),
+    *[(cfg, below) for cfg in ("pdjax.model_config", "pdjax.model_config_checks", "pdjax.configs")
+      for below in ("pdjax.model", "pdjax.parallel", "pdjax.analysis")],
     ("pdjax.model", "pdjax.parallel"), ("pdjax.model", "pdjax.pipeline"), ("pdjax.model", "pdjax.disagg"),
     ("pdjax.model", "pdjax.experiments"), ("pdjax.parallel", "pdjax.pipeline"), ("pdjax.parallel", "pdjax.disagg"),
     ("pdjax.parallel", "pdjax.experiments"), ("pdjax.pipeline", "pdjax.disagg"),

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 import pdjax
 import pdjax.pipeline as pp
 from pdjax import analysis, sim
-from pdjax.config_checks import BOOL_FIELDS, FLOAT_FIELDS, INT_FIELDS, STR_FIELDS, float_fields
+from pdjax.model_config_checks import BOOL_FIELDS, FLOAT_FIELDS, INT_FIELDS, STR_FIELDS, float_fields
 from pdjax.schedules.generators import GENERATORS
 
 SETTINGS = settings(max_examples=150, deadline=None, derandomize=True,
@@ -200,7 +200,7 @@ SCHEDULE = pp.build("1f1b", 2, 4)
 
 def _other_calls(cfg):
 
-    costs = {"F": bad_real(positive=True), "B": bad_real(positive=True), "W": bad_real(), "comm": bad_real()}
+    costs = {"F": bad_real(positive=True), "B": bad_real(), "W": bad_real(), "comm": bad_real()}   # zero-length backwards are valid
     return {
         "build": (lambda name="1f1b", num_ranks=2, num_microbatches=4: pp.build(name, num_ranks, num_microbatches),
                   {"name": st.one_of(st.text(max_size=8).filter(lambda t: t.strip().lower().replace("_", "-") not in GENERATORS),

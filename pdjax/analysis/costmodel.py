@@ -43,7 +43,7 @@ from pdjax.analysis.kv import kv_bytes_per_token as _kv_bytes_per_token, kv_hand
 from pdjax.param_counts import param_counts
 from pdjax.analysis.roofline import attention_flops_per_token
 from pdjax.arguments import check_fraction, check_int, check_nonnegative, check_positive
-from pdjax.config import ModelConfig
+from pdjax.model_config import ModelConfig
 
 A2A_LINKS = ("auto", "scale_up", "scale_out")
 GPUS_PER_NODE = 8   # "auto" all-to-all uses the scale-up link up to this EP degree

@@ -33,7 +33,7 @@ from pdjax.analysis.overlap import layer_program, run
 from pdjax.analysis.routing import route_stats
 from pdjax.analysis.streams import class_times, makespan
 from pdjax.arguments import check_fraction, check_int
-from pdjax.config import ModelConfig
+from pdjax.model_config import ModelConfig
 
 ROLES = ("prefill", "decode")
 OVERLAPS = (None, "tbo")

@@ -27,7 +27,7 @@ from typing import Optional
 
 from pdjax.arguments import check_int, check_nonnegative, check_positive
 from pdjax.analysis.units import unit_bytes
-from pdjax.config import ModelConfig
+from pdjax.model_config import ModelConfig
 
 #: Attention kinds the KV accounting knows: "mla", "mha", "gqa" (needs num_kv_groups), "mqa".
 ATTENTION_KINDS = ("mla", "mha", "gqa", "mqa")

@@ -15,7 +15,7 @@ from pdjax.analysis.hardware import HardwareLike
 from pdjax.param_counts import param_counts
 from pdjax.analysis.roofline import compute_bound_batch
 from pdjax.arguments import check_int, check_positive
-from pdjax.config import ModelConfig
+from pdjax.model_config import ModelConfig
 
 EP_LAYOUTS = ("even", "replicated")
 

@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 
 from pdjax.analysis.kernels import KernelModel, causal_attention_flops
 from pdjax.analysis.routing import RouteStats
-from pdjax.config import ModelConfig
+from pdjax.model_config import ModelConfig
 
 FP8_TOKEN_BYTES = 1 + 4 / 128       # an FP8 element plus its 1x128 block scale (DeepEP's fp8 factor)
 

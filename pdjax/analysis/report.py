@@ -16,7 +16,7 @@ from pdjax.analysis.hardware import HardwareLike, hardware
 from pdjax.param_counts import param_counts
 from pdjax.arguments import check_fraction, check_int, check_nonnegative, check_positive
 from pdjax.analysis.units import GB, GiB, format_bytes, format_count
-from pdjax.config import ModelConfig
+from pdjax.model_config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)

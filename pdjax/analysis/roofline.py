@@ -19,7 +19,7 @@ from typing import Optional
 from pdjax.analysis.hardware import HardwareLike, dtype_bytes as _dtype_size, hardware, normalise_dtype
 from pdjax.analysis.kv import kv_elements_per_token
 from pdjax.arguments import check_nonnegative, check_positive
-from pdjax.config import ModelConfig
+from pdjax.model_config import ModelConfig
 
 
 def weight_intensity(batch_tokens: float, dtype_bytes: float = 2) -> float:

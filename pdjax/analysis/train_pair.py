@@ -30,7 +30,7 @@ from pdjax.analysis.overlap import PairParts, dualpipe_pair_program, run
 from pdjax.analysis.routing import route_stats
 from pdjax.analysis.streams import class_times, makespan
 from pdjax.arguments import check_int
-from pdjax.config import ModelConfig
+from pdjax.model_config import ModelConfig
 
 #: The GEMM speeds train.json's kernels ran at: its forward GEMMs (DeepSeek's internal
 #: dpsk::grouped_gemm kernels, Feb 2025) match DeepGEMM's first release within a few per cent.

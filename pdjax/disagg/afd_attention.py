@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from pdjax.config import ModelConfig
+from pdjax.model_config import ModelConfig
 from pdjax.disagg.afd_ffn import FFNPool, MeshExchange, join_local, seal, split_local, unseal
 from pdjax.disagg.decode import DecodePool, advance_slots
 from pdjax.disagg.request import RequestError

@@ -31,7 +31,7 @@ import math
 
 
 from pdjax.arguments import check_int
-from pdjax.config import ModelConfig
+from pdjax.model_config import ModelConfig
 from pdjax.disagg.afd_attention import AFDPool
 from pdjax.disagg.engine import Engine
 

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from pdjax.config import ModelConfig
+from pdjax.model_config import ModelConfig
 from pdjax.disagg.link import bit_sums
 from pdjax.parallel.ep import ExpertParallel, ep_moe
 from pdjax.parallel.mesh import make_mesh, shard_params

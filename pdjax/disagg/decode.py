@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from pdjax.config import ModelConfig
+from pdjax.model_config import ModelConfig
 from pdjax.disagg.request import Request
 from pdjax.disagg.sampling import sample
 from pdjax.model.cache import scatter_rows

@@ -42,7 +42,7 @@ import jax
 import numpy as np
 
 from pdjax.arguments import check_int, check_positive
-from pdjax.config import ModelConfig
+from pdjax.model_config import ModelConfig
 from pdjax.disagg.clock import Clock
 from pdjax.disagg.decode import DecodePool
 from pdjax.disagg.link import DevicePutLink, checksum

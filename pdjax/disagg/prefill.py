@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pdjax.compilation import announce
-from pdjax.config import ModelConfig
+from pdjax.model_config import ModelConfig
 from pdjax.disagg.sampling import sample
 from pdjax.model.transformer import embed, head, layer
 from pdjax.parallel.ep import ExpertParallel

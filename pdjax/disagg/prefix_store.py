@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
 
-from pdjax.config import ModelConfig
+from pdjax.model_config import ModelConfig
 from pdjax.prefix_index import PrefixCache, check_block_size, token_chain_hashes
 
 TIERS = ("device", "host", "disk")

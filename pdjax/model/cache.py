@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pdjax.config import ModelConfig, dtype_name
+from pdjax.model_config import ModelConfig, dtype_name
 
 
 @jax.tree_util.register_dataclass

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pdjax.config import ModelConfig
+from pdjax.model_config import ModelConfig
 from pdjax.model import layer_scan
 from pdjax.model.cache import KVCache
 from pdjax.model.params import param_shapes

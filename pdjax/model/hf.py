@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pdjax.config import PARAM_DTYPES, ModelConfig, dtype_name, load_hf_config
+from pdjax.model_config import PARAM_DTYPES, ModelConfig, dtype_name, load_hf_config
 # the checks of a checkpoint against its config live in hf_checks; expected_tensors importable here
 from pdjax.model.checks import check_mesh
 from pdjax.model.hf_checks import (MTP_COPIES, check_checkpoint, expected_tensors, mtp_layers,  # noqa: F401

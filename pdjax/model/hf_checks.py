@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from pdjax.config import PARAM_DTYPES, ModelConfig
+from pdjax.model_config import PARAM_DTYPES, ModelConfig
 from pdjax.model.hf_files import FP8_BLOCK
 
 #: Stored dtypes a weight may have as it is (a param dtype's safetensors name, or float64).

@@ -36,7 +36,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pdjax.config import ModelConfig
+from pdjax.model_config import ModelConfig
 from pdjax.model import moe as moe_lib
 from pdjax.model.cache import (KVCache, check_empty_cache, empty_lengths, is_narrow_float, to_cache_dtype,
                                write_rows)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from pdjax.arguments import check_number
-from pdjax.config import ModelConfig
+from pdjax.model_config import ModelConfig
 from pdjax.model import mtp
 from pdjax.model import transformer as tfm
 from pdjax.model.checks import check_layers, check_tokens, is_tracer

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pdjax.config import ModelConfig, yarn_mscale
+from pdjax.model_config import ModelConfig, yarn_mscale
 from pdjax.model import dots
 from pdjax.model.initializers import scaled_normal
 from pdjax.model.sharding import declare, values

@@ -37,7 +37,7 @@ import contextlib
 import jax
 import jax.numpy as jnp
 
-from pdjax.config import ModelConfig
+from pdjax.model_config import ModelConfig
 from pdjax.model.initializers import scaled_normal
 from pdjax.model.sharding import declare, values
 # COMBINE_SCOPE and swiglu live in moe_decode (the decode paths use them too); importable here

@@ -27,7 +27,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pdjax.config import ModelConfig
+from pdjax.model_config import ModelConfig
 from pdjax.model import dots, mla
 from pdjax.model.initializers import scaled_normal
 from pdjax.model.sharding import declare

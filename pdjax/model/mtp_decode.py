@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pdjax.arguments import check_int
-from pdjax.config import ModelConfig
+from pdjax.model_config import ModelConfig
 from pdjax.model import mtp
 from pdjax.model import transformer as tfm
 from pdjax.model.cache import KVCache, to_cache_dtype

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from pdjax.arguments import check_int
-from pdjax.config import ModelConfig, dtype_name
+from pdjax.model_config import ModelConfig, dtype_name
 from pdjax.model.cache import scatter_rows
 
 

@@ -10,7 +10,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pdjax.config import PARAM_DTYPES, ModelConfig, dtype_name
+from pdjax.model_config import PARAM_DTYPES, ModelConfig, dtype_name
 from pdjax.model import mla, mtp
 from pdjax.model import moe as moe_lib
 from pdjax.model import sharding

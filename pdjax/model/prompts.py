@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pdjax.config import ModelConfig
+from pdjax.model_config import ModelConfig
 from pdjax.model.checks import check_tokens, prompt_problem
 
 

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pdjax.arguments import check_int
-from pdjax.config import ModelConfig
+from pdjax.model_config import ModelConfig
 from pdjax.model import dots, layer_scan, mla
 from pdjax.model import moe as moe_lib
 from pdjax.model.cache import KVCache, host_lengths, remember_lengths, to_cache_dtype, write_rows

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from pdjax.config import ModelConfig
+from pdjax.model_config import ModelConfig
 from pdjax.model import moe as moe_lib
 from pdjax.parallel import ep_ragged
 

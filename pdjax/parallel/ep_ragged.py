@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from pdjax.config import ModelConfig
+from pdjax.model_config import ModelConfig
 from pdjax.model import moe as moe_lib
 
 RAGGED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")

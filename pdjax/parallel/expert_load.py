@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pdjax.arguments import check_int
-from pdjax.config import ModelConfig
+from pdjax.model_config import ModelConfig
 from pdjax.model import mla, moe as moe_lib, transformer
 
 

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 
-from pdjax.config import ModelConfig
+from pdjax.model_config import ModelConfig
 from pdjax.model.params import param_shardings
 from pdjax.model.sharding import ShardingRules
 

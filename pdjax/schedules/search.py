@@ -97,8 +97,8 @@ class SearchResult:
         return self.makespan / self.lower_bound - 1.0 if self.lower_bound > 0 else 0.0
 
 
-def _per_rank(name: str, value, p: int) -> np.ndarray:
-    return _per_stage(name, value, p, unit="rank")
+def _per_rank(name: str, value, p: int, positive: bool = False) -> np.ndarray:
+    return _per_stage(name, value, p, unit="rank", positive=positive)
 
 
 def _layouts(p: int, m: int, families) -> dict:
@@ -170,7 +170,8 @@ def search(num_ranks: int, num_microbatches: int, F=1.0, B=2.0, W=1.0, comm=0.0,
 def _per_rank_inputs(p: int, F, B, W, comm, I, FB, memory) -> tuple[dict, dict]:
     """The checked per-rank costs ``{F, I, W, FB, comm}`` and memory ``{F, I, I_free}`` of
     :func:`search`'s arguments (``I = B - W`` and ``FB = F + I + W`` unless given)."""
-    f, b, w, c = (_per_rank(n, v, p) for n, v in (("F", F), ("B", B), ("W", W), ("comm", comm)))
+    f, b, w, c = (_per_rank(n, v, p, positive=n == "F")
+                  for n, v in (("F", F), ("B", B), ("W", W), ("comm", comm)))
     if I is None:
         over = np.flatnonzero(w > b)
         if over.size:

@@ -110,9 +110,9 @@ class Timeline:
         return timeline_bundle(self)
 
 
-def _per_stage(name: str, value, num_stages: int, unit: str = "stage") -> np.ndarray:
+def _per_stage(name: str, value, num_stages: int, unit: str = "stage", positive: bool = False) -> np.ndarray:
     """``value`` (a scalar or one entry per ``unit``) as a float array [num_stages], finite
-    and >= 0, or a ValueError naming ``name`` and the offending entry."""
+    and >= 0 (> 0 if ``positive``), or a ValueError naming ``name`` and the offending entry."""
     arr = np.asarray(value)
     if isinstance(value, (str, bytes)) or arr.dtype.kind not in "iuf":   # no parsing, no bools
         raise TypeError(f"{name} must be a number or one number per {unit}, got {value!r}")
@@ -121,9 +121,10 @@ def _per_stage(name: str, value, num_stages: int, unit: str = "stage") -> np.nda
         arr = np.full(num_stages, float(arr))
     elif arr.shape != (num_stages,):
         raise ValueError(f"{name} must be a scalar or have one entry per {unit} ({num_stages}), got shape {arr.shape}")
-    bad = np.flatnonzero(~np.isfinite(arr) | (arr < 0))
+    bad = np.flatnonzero(~np.isfinite(arr) | (arr <= 0 if positive else arr < 0))
     if bad.size:
-        raise ValueError(f"{name} must be finite and >= 0, got {float(arr[bad[0]])!r} at {unit} {int(bad[0])}")
+        raise ValueError(f"{name} must be finite and {'> 0' if positive else '>= 0'}, got {float(arr[bad[0]])!r} "
+                         f"at {unit} {int(bad[0])}")
     return arr
 
 
@@ -135,7 +136,8 @@ def stage_costs(num_stages: int, F=1.0, B=2.0, W=0.0, FB=None, comm=0.0, *, I=No
     to ``F + B``; ``FI`` (a pair whose backward is an ``I``, costed by its forward's stage)
     defaults to ``FB - W`` of the pair's backward stage, so it is only filled in when given.
     """
-    costs = {k: _per_stage(k, v, num_stages) for k, v in (("F", F), ("B", B), ("W", W), ("comm", comm))}
+    costs = {k: _per_stage(k, v, num_stages, positive=k == "F") for k, v in
+             (("F", F), ("B", B), ("W", W), ("comm", comm))}
     if I is None:
         over = np.flatnonzero(costs["W"] > costs["B"])
         if over.size:

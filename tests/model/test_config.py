@@ -1,7 +1,7 @@
 import pytest
 
 import pdjax
-from pdjax.config import from_hf_dict
+from pdjax.model_config import from_hf_dict
 
 
 @pytest.mark.parametrize("name", sorted(pdjax.configs.PRESETS))

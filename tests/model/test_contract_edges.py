@@ -15,8 +15,8 @@ import pytest
 from safetensors import safe_open
 
 import pdjax
-from pdjax.config import ModelConfig, RopeScaling, from_hf_dict, load_hf_config
-from pdjax.config_checks import FLOAT_FIELDS, check_finite, float_fields
+from pdjax.model_config import ModelConfig, RopeScaling, from_hf_dict, load_hf_config
+from pdjax.model_config_checks import FLOAT_FIELDS, check_finite, float_fields
 from pdjax.model import hf_files
 
 NON_FINITE = [math.nan, math.inf, -math.inf]

@@ -1,4 +1,4 @@
-"""The parts of :mod:`pdjax.config` whose mistakes are silent and which the config's other
+"""The parts of :mod:`pdjax.model_config` whose mistakes are silent and which the config's other
 tests do not pin: the defaults a config.json may leave out, the dtype aliases, the derived
 properties of a config (MoE layers, softmax scale, routed scaling) and ``to_hf_dict``'s
 form. Found by mutation testing (docs/mutation.md)."""
@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 import pdjax
-from pdjax.config import ModelConfig, RopeScaling, from_hf_dict
+from pdjax.model_config import ModelConfig, RopeScaling, from_hf_dict
 
 NAN = float("nan")
 
@@ -118,7 +118,7 @@ def test_the_notebook_view_is_one_div():
     assert page.startswith("<div") and page.endswith("</table></div>")
 
 
-# ---- pdjax.config_checks ----------------------------------------------------------------------
+# ---- pdjax.model_config_checks ----------------------------------------------------------------------
 
 def test_intermediate_size_is_needed_only_where_a_layer_is_dense():
     """``intermediate_size`` must be positive when some layer is dense (a dense model, or a

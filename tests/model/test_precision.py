@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import pdjax
-from pdjax.config import from_hf_dict
+from pdjax.model_config import from_hf_dict
 from pdjax.model import moe, transformer
 from pdjax.model.cache import init_cache
 from pdjax.model.paged import init_paged_cache

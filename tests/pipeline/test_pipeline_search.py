@@ -260,7 +260,8 @@ def test_frontier_is_pareto():
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(memory_budget=0.5), "below one micro-batch"),
-    (dict(F=-1.0), "F must be finite and >= 0"),
+    (dict(F=-1.0), "F must be finite and > 0"),
+    (dict(F=0.0), "F must be finite and > 0"),
     (dict(W=3.0), "must not exceed B"),
     (dict(families=("zz",)), "families"),
     (dict(memory={"G": 1}), "unknown memory key"),

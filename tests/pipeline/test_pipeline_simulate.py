@@ -68,7 +68,8 @@ def test_events_respect_dependencies_and_rank_order():
 
 
 @pytest.mark.parametrize("kwargs,pattern", [
-    (dict(F=-1.0), "F must be finite and >= 0"),
+    (dict(F=-1.0), "F must be finite and > 0"),
+    (dict(F=0.0), "F must be finite and > 0"),
     (dict(B=[1.0, 2.0]), "one entry per stage"),
     (dict(B=1.0, W=2.0), r"W \(2\) must not exceed B \(1\)"),
     (dict(comm=float("nan")), "comm must be finite"),

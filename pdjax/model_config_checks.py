@@ -1,4 +1,4 @@
-"""The checks of :class:`pdjax.config.ModelConfig`, made on construction: every field of its
+"""The checks of :class:`pdjax.model_config.ModelConfig`, made on construction: every field of its
 type (:func:`check_types`), then ranges and relations between fields (:func:`validate`).
 Each raises naming the field.
 

@@ -15,7 +15,7 @@ from typing import Any, Mapping, Optional
 
 from pdjax.arguments import ArgumentTypeError, check_int
 
-from pdjax.config_checks import SCORING_FUNCS, TOPK_METHODS, check_finite, check_types, real, validate  # noqa: F401 - public names
+from pdjax.model_config_checks import SCORING_FUNCS, TOPK_METHODS, check_finite, check_types, real, validate  # noqa: F401 - public names
 
 # Precision: the dtypes params, activations and the latent cache may take (canonical names,
 # as numpy/ml_dtypes spell them), and the short names accepted for them.
