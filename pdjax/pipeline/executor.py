@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pdjax.arguments import check_int
-from pdjax.config import ModelConfig
+from pdjax.model_config import ModelConfig
 from pdjax.pipeline import executor_checks as ec
 from pdjax.pipeline import multiprocess
 from pdjax.pipeline import stages as st
@@ -80,12 +80,16 @@ class Executor:
     ``loss``: "next_token" (mean cross-entropy of every position's next token over the batch).
     ``layers_per_stage``: layers per model chunk (one chunk per position in a pipeline; default
     as even as possible). ``measure``: block on every op to time it (``last_timeline``).
-    ``timeout_s``: how long a rank waits for one value before the step fails.
+    ``timeout_s``: how long a rank waits for one value before the step fails. ``mtp_weight``:
+    the loss is ``pdjax.loss(..., mtp_weight=)``: the MTP modules sit on the stage that holds
+    the output head, beside a copy of the embedding (one rank holds both in DualPipe and
+    DualPipeV; otherwise the embedding's two gradients are summed).
     """
 
     def __init__(self, schedule, cfg: ModelConfig, devices=None, loss: str = "next_token", *,
-                 layers_per_stage=None, measure: bool = True, timeout_s: float = 600.0):
+                 layers_per_stage=None, measure: bool = True, timeout_s: float = 600.0, mtp_weight: float = 0.0):
         devices, k, num_chunks = ec.check_setup(schedule, cfg, devices, loss)
+        self.mtp_weight = ec.check_mtp_weight(mtp_weight, cfg)
         layout, n = schedule.layout, schedule.num_ranks
         self.schedule, self.cfg, self.loss, self.measure, self.timeout_s = schedule, cfg, loss, measure, timeout_s
         self.devices_per_rank = k
@@ -121,7 +125,8 @@ class Executor:
 
     def check_shape(self, batch_shape) -> None:
         """A batch [B,T] must split into the micro-batches and over a rank's devices."""
-        ec.check_shape(batch_shape, self.cfg, self.schedule.num_microbatches, self.devices_per_rank)
+        ec.check_shape(batch_shape, self.cfg, self.schedule.num_microbatches, self.devices_per_rank,
+                       self.mtp_weight)
 
     def check_params(self, params) -> None:
         """The model's param tree for ``cfg``, per layer: same structure and shapes as
@@ -136,7 +141,7 @@ class Executor:
             params = jax.tree.map(self.spanning.place_leaf, params)
         out = []
         for s, r in enumerate(self.schedule.layout.stage_rank):
-            chunk_params = st.chunk_params(params, self.chunks[self.stage_chunk[s]])
+            chunk_params = st.chunk_params(params, self.chunks[self.stage_chunk[s]], bool(self.mtp_weight))
             if self._here(s):
                 out.append(self.ranks[r].place_params(chunk_params, self.cfg))
             else:
@@ -154,10 +159,10 @@ class Executor:
             g = stage_grads[s]
             if g is None:              # a stage of another process
                 continue
-            for key in ("embed", "final_norm", "lm_head"):
+            for key in ("embed", "final_norm", "lm_head", "mtp"):
                 if key in g:
-                    val = jax.device_put(g[key], _placement(like[key]))
-                    out[key] = val if key not in out else out[key] + val
+                    val = jax.device_put(g[key], jax.tree.map(_placement, like[key]))
+                    out[key] = val if key not in out else jax.tree.map(jnp.add, out[key], val)
             for i, gl in enumerate(g["layers"]):
                 li = chunk.start + i
                 val = jax.device_put(gl, jax.tree.map(_placement, like["layers"][li]))
@@ -210,7 +215,8 @@ class Executor:
                 x_spec = (self._spec((b, T), jnp.int32, rank.batch(2)) if prev is None
                           else self._spec((b, T, self.cfg.hidden_size), prev.y_shape.dtype, rank.batch(3)))
                 tok_spec = self._spec((b, T), jnp.int32, rank.batch(2)) if chunk.last else None
-                prog = st.stage_program(self.cfg, chunk, rank.moe_impl, scale, sp_spec, x_spec, tok_spec)
+                prog = st.stage_program(self.cfg, chunk, rank.moe_impl, scale, sp_spec, x_spec, tok_spec,
+                                        self.mtp_weight)
                 zero = jax.jit(_zeros_like, out_shardings=jax.tree.map(lambda a: a.sharding, sp_spec))
                 info[s] = CompiledStage(prog=prog, rank=rank, chunk=chunk, sp=sp_spec, x=x_spec, tok=tok_spec,
                                         x_arg=x_spec if prog.keeps_input else None, zeros=zero)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import jax
 
-from pdjax.config import ModelConfig
+from pdjax.arguments import check_nonnegative
+from pdjax.model_config import ModelConfig
 from pdjax.model import checks, layer_scan
 from pdjax.schedules.schedule import Schedule
 
@@ -73,7 +74,16 @@ def check_batch(tokens, cfg: ModelConfig, num_microbatches: int, devices_per_ran
     return tokens
 
 
-def check_shape(batch_shape, cfg: ModelConfig, num_microbatches: int, devices_per_rank: int) -> None:
+def check_mtp_weight(mtp_weight, cfg: ModelConfig) -> float:
+    """``mtp_weight`` >= 0, finite; > 0 only for a config with MTP modules."""
+    w = float(check_nonnegative("mtp_weight", mtp_weight))
+    if w and not cfg.num_nextn_predict_layers:
+        raise ValueError(f"mtp_weight={mtp_weight!r} needs the MTP modules: cfg.num_nextn_predict_layers is 0")
+    return w
+
+
+def check_shape(batch_shape, cfg: ModelConfig, num_microbatches: int, devices_per_rank: int,
+                mtp_weight: float = 0.0) -> None:
     """A batch [B,T] must split into the micro-batches and over a rank's devices."""
     B, T = (int(v) for v in batch_shape)
     m = num_microbatches
@@ -82,8 +92,10 @@ def check_shape(batch_shape, cfg: ModelConfig, num_microbatches: int, devices_pe
     if (B // m) % devices_per_rank:
         raise ValueError(f"micro-batch of {B // m} sequences does not split over the "
                          f"{devices_per_rank} devices of a rank (data-parallel attention)")
-    if T < 2:
-        raise ValueError(f"next-token loss needs sequences of at least 2 tokens, got T={T}")
+    need = 2 + (cfg.num_nextn_predict_layers if mtp_weight else 0)
+    if T < need:
+        raise ValueError(f"next-token loss needs sequences of at least {need} tokens"
+                         f"{' (num_nextn_predict_layers + 2 with mtp_weight)' if mtp_weight else ''}, got T={T}")
     if T > cfg.max_position_embeddings:
         raise ValueError(f"T={T} exceeds max_position_embeddings={cfg.max_position_embeddings}")
 

@@ -35,7 +35,8 @@ import jax
 import jax.numpy as jnp
 from jax._src import core as jcore
 
-from pdjax.config import ModelConfig
+from pdjax.model_config import ModelConfig
+from pdjax.model import mtp
 from pdjax.model import transformer as tfm
 from pdjax.model.loss import next_token_loss_sum
 
@@ -78,14 +79,18 @@ def split_layers(num_layers: int, num_chunks: int, layers=None) -> tuple[Chunk, 
     return tuple(out)
 
 
-def chunk_params(params: dict, chunk: Chunk) -> dict:
-    """The params a chunk uses (a sub-pytree of the model's)."""
+def chunk_params(params: dict, chunk: Chunk, mtp: bool = False) -> dict:
+    """The params a chunk uses (a sub-pytree of the model's). ``mtp``: the last chunk also
+    holds the MTP modules and the embedding they share (its gradient from there is summed
+    with chunk 0's: one rank holds both in DualPipe and DualPipeV, as DeepSeek-V3 places them)."""
     sp = {"layers": list(params["layers"][chunk.start:chunk.stop])}
-    if chunk.first:
+    if chunk.first or (chunk.last and mtp):
         sp["embed"] = params["embed"]
     if chunk.last:
         sp["final_norm"] = params["final_norm"]
         sp["lm_head"] = params["lm_head"]
+        if mtp:
+            sp["mtp"] = params["mtp"]
     return sp
 
 
@@ -101,8 +106,9 @@ class StageProgram:
     """The jitted F, B, I, W (and their raw functions, for overlapped pairs) of one chunk for
     one micro-batch shape and one MoE implementation. Build with :func:`stage_program`."""
 
-    def __init__(self, cfg: ModelConfig, chunk: Chunk, moe_impl, loss_scale: float):
+    def __init__(self, cfg: ModelConfig, chunk: Chunk, moe_impl, loss_scale: float, mtp_weight: float = 0.0):
         self.cfg, self.chunk, self.moe_impl, self.loss_scale = cfg, chunk, moe_impl, loss_scale
+        self.mtp_weight = mtp_weight if chunk.last else 0.0
         self._structure = None   # (treedef, kinds): filled when F is traced
         self.key = None          # the cache key (see stage_program)
 
@@ -111,12 +117,19 @@ class StageProgram:
         h = _layers(sp, self.cfg, h, self.moe_impl)
         if not self.chunk.last:
             return h
-        logits = tfm.head(sp, self.cfg, h)
-        return next_token_loss_sum(logits, tok) * self.loss_scale
+        g = tfm.final_hidden(sp, self.cfg, h)
+        loss = next_token_loss_sum(tfm.logits_of(sp, g), tok) * self.loss_scale
+        if self.mtp_weight:      # pdjax.loss's MTP term: depth k's mean over its B (T-1-k) targets
+            T, D = tok.shape[1], len(sp["mtp"])
+            for k, logits in enumerate(mtp.mtp_logits(sp, self.cfg, g, tok, tfm.layer, self.moe_impl), 1):
+                scale = self.loss_scale * (T - 1) / (T - 1 - k) * self.mtp_weight / D
+                loss = loss + next_token_loss_sum(logits, tok[:, k:]) * scale
+        return loss
 
     def _diff_params(self, sp):
-        """The params the VJP is taken over (chunk 0's embedding is handled by hand)."""
-        return {k: v for k, v in sp.items() if k != "embed"}
+        """The params the VJP is taken over (chunk 0's embedding lookup is differentiated by
+        hand; the MTP modules' use of the embedding through the VJP)."""
+        return {k: v for k, v in sp.items() if k != "embed" or self.mtp_weight}
 
     # ---- raw functions -----------------------------------------------------------------------
     def forward_fn(self, sp, x, tok):
@@ -146,7 +159,8 @@ class StageProgram:
         g_diff, g_in = jax.tree.unflatten(treedef, leaves)(gy)
         grads = dict(g_diff)
         if self.chunk.first:
-            grads["embed"] = jnp.zeros_like(sp["embed"]).at[x].add(g_in.astype(sp["embed"].dtype))
+            looked_up = jnp.zeros_like(sp["embed"]).at[x].add(g_in.astype(sp["embed"].dtype))
+            grads["embed"] = looked_up + grads["embed"] if "embed" in grads else looked_up
         return {k: grads[k] for k in sp}, g_in
 
     # ---- building ---------------------------------------------------------------------------
@@ -283,15 +297,15 @@ _LOCK = threading.Lock()
 
 
 def stage_program(cfg: ModelConfig, chunk: Chunk, moe_impl, loss_scale: float, sp_shapes, x_shape,
-                  tok_shape) -> StageProgram:
+                  tok_shape, mtp_weight: float = 0.0) -> StageProgram:
     """The (cached) programs of ``chunk`` for these shapes: executors with the same model cut
     share their traces and backward splits."""
-    key = (cfg, chunk, moe_impl, float(loss_scale), _shape_key(sp_shapes), _shape_key(x_shape),
+    key = (cfg, chunk, moe_impl, float(loss_scale), float(mtp_weight), _shape_key(sp_shapes), _shape_key(x_shape),
            _shape_key(tok_shape))
     with _LOCK:
         prog = _PROGRAMS.get(key)
         if prog is None:
-            prog = _PROGRAMS[key] = StageProgram(cfg, chunk, moe_impl, loss_scale).build(
+            prog = _PROGRAMS[key] = StageProgram(cfg, chunk, moe_impl, loss_scale, mtp_weight).build(
                 sp_shapes, x_shape, tok_shape)
             prog.key = key
     return prog

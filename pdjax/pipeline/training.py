@@ -34,7 +34,8 @@ import jax
 import numpy as np
 import optax
 
-from pdjax.config import ModelConfig
+from pdjax.arguments import check_int
+from pdjax.model_config import ModelConfig
 from pdjax.pipeline import executor_checks as ec
 from pdjax.pipeline.executor import Executor
 
@@ -70,7 +71,7 @@ def _apply(optimizer, params, opt_state, grads):
 def train(schedule, cfg: ModelConfig, data, optimizer=None, steps: int = 20, *, devices=None,
           params=None, seed: int = 0, executor: Executor | None = None, layers_per_stage=None,
           checkpoint_dir: str | os.PathLike | None = None,
-          checkpoint_every: int | None = None) -> TrainState:
+          checkpoint_every: int | None = None, mtp_weight: float = 0.0) -> TrainState:
     """Train the model ``cfg`` for ``steps`` steps in all, each a step of ``schedule`` (the
     schedule first, as in :class:`Executor`); returns the final :class:`TrainState`.
 
@@ -85,7 +86,8 @@ def train(schedule, cfg: ModelConfig, data, optimizer=None, steps: int = 20, *, 
     ``layers_per_stage``. ``checkpoint_dir``: where to save and resume (orbax); a checkpoint
     there is restored, placed like fresh params, and a run whose checkpoint already has
     ``steps`` steps or more returns it as it is. ``checkpoint_every``: save every that many
-    steps (default: only at the end).
+    steps (default: only at the end). ``mtp_weight``: the loss is ``pdjax.loss(...,
+    mtp_weight=)`` (DeepSeek-V3's lambda; an ``executor`` given must have the same).
 
     Every argument and every array batch is checked before any compute (ValueError naming
     the problem); a callable's batches are checked as they come, before their step runs.
@@ -93,9 +95,8 @@ def train(schedule, cfg: ModelConfig, data, optimizer=None, steps: int = 20, *, 
     ec.check_schedule_and_config(schedule, cfg)
     optimizer = DEFAULT_OPTIMIZER if optimizer is None else optimizer
     _check_args(steps, optimizer, checkpoint_dir, checkpoint_every)
-    if not _is_count(seed) or seed < 0:
-        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
-    ex = _executor(cfg, schedule, executor, devices, layers_per_stage)
+    check_int("seed", seed, 0)
+    ex = _executor(cfg, schedule, executor, devices, layers_per_stage, mtp_weight)
     _check_data(ex, data, steps)
     if params is not None:
         ex.check_params(params)
@@ -114,13 +115,8 @@ def train(schedule, cfg: ModelConfig, data, optimizer=None, steps: int = 20, *, 
 
 # ---- checks ---------------------------------------------------------------------------------
 
-def _is_count(n) -> bool:
-    return isinstance(n, (int, np.integer)) and not isinstance(n, bool)
-
-
 def _check_args(steps, optimizer, checkpoint_dir, checkpoint_every) -> None:
-    if not _is_count(steps) or steps < 1:
-        raise ValueError(f"steps (the total number of steps to reach) must be an int >= 1, got {steps!r}")
+    check_int("steps (the total number of steps to reach)", steps)
     if not isinstance(optimizer, optax.GradientTransformation):
         raise ValueError(f"optimizer must be an optax GradientTransformation (e.g. optax.adamw(1e-3)), "
                          f"got {type(optimizer).__name__}")
@@ -131,20 +127,22 @@ def _check_args(steps, optimizer, checkpoint_dir, checkpoint_every) -> None:
         if os.path.exists(checkpoint_dir) and not os.path.isdir(checkpoint_dir):
             raise ValueError(f"checkpoint_dir {os.fspath(checkpoint_dir)!r} exists and is not a directory")
     if checkpoint_every is not None:
-        if not _is_count(checkpoint_every) or checkpoint_every < 1:
-            raise ValueError(f"checkpoint_every must be an int >= 1, got {checkpoint_every!r}")
+        check_int("checkpoint_every", checkpoint_every)
         if checkpoint_dir is None:
             raise ValueError("checkpoint_every needs a checkpoint_dir to save into")
 
 
-def _executor(cfg, schedule, executor, devices, layers_per_stage) -> Executor:
+def _executor(cfg, schedule, executor, devices, layers_per_stage, mtp_weight=0.0) -> Executor:
     """The given executor, checked against ``cfg`` and ``schedule``, or a new one."""
     if executor is None:
-        return Executor(schedule, cfg, devices, layers_per_stage=layers_per_stage, measure=False)
+        return Executor(schedule, cfg, devices, layers_per_stage=layers_per_stage, measure=False,
+                        mtp_weight=mtp_weight)
     if not isinstance(executor, Executor):
         raise ValueError(f"executor must be a pdjax.pipeline.Executor, got {type(executor).__name__}")
     if devices is not None or layers_per_stage is not None:
         raise ValueError("with an executor, devices and layers_per_stage come from it: pass None")
+    if executor.mtp_weight != ec.check_mtp_weight(mtp_weight, cfg):
+        raise ValueError(f"the executor's mtp_weight is {executor.mtp_weight}, train was given {mtp_weight!r}")
     if executor.measure:
         raise ValueError("the executor measures every op (a host sync per op): pass one built with "
                          "measure=False for training")

@@ -124,7 +124,7 @@ def test_bad_input_fails_before_compute(exec_cfg, exec_params, no_compute):
         return pp.train(sched, exec_cfg, data, **kw)
 
     for steps in (0, -1, 2.5, True):
-        with pytest.raises(ValueError, match="steps .* must be an int >= 1"):
+        with pytest.raises(ValueError, match="steps .* must be an integer >= 1"):
             train(steps=steps)
     with pytest.raises(ValueError, match="does not split into the schedule's 4 micro-batches"):
         train(data=data[:, :6])
