@@ -1,8 +1,8 @@
 """Training with DeepSeek-V3's MTP loss through the pipeline: the MTP module sits on the stage
 that holds the output head, beside a copy of the embedding, and the step's loss and
-gradients equal jax.value_and_grad(pdjax.loss(..., mtp_weight=)) of the unsplit model, in a
-chain schedule (the embedding on two ranks: its gradients summed) and a V-shaped one (one
-rank holds both ends, as DeepSeek-V3 places them)."""
+gradients equal jax.value_and_grad(pdjax.loss(..., mtp_weight=)) of the unsplit model, in
+chain schedules (the embedding on two ranks: its gradients summed), DualPipe (two copies of
+each chunk) and DualPipeV (one rank holds both ends, as DeepSeek-V3 places them)."""
 
 import jax
 import numpy as np
@@ -24,7 +24,7 @@ def setup():
 
 
 @pytest.mark.filterwarnings("ignore:the 2-layer model splits over 4 pipeline stages")
-@pytest.mark.parametrize("name", ["1f1b", "dualpipev"])
+@pytest.mark.parametrize("name", ["1f1b", "zb1p", "dualpipe", "dualpipev"])
 def test_the_mtp_loss_and_its_gradients_are_the_unsplit_models(setup, name):
     cfg, params, tokens, (ref_loss, ref_grads) = setup
     ex = pp.Executor(pp.build(name, num_ranks=2, num_microbatches=4), cfg, devices=jax.devices()[:2],
