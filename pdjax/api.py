@@ -79,8 +79,9 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int, mesh=Non
              rules=None, overlap=None, dispatch="auto", speculative=None, return_stats: bool = False, **kwargs):
     """Greedy generation; see :func:`pdjax.model.transformer.generate`. ``speculative="mtp"``:
     the MTP module drafts and the model verifies (:mod:`pdjax.model.mtp_decode`; the same
-    tokens). ``return_stats``: (tokens, stats) with ``accept_rate`` and ``tokens_per_step``
-    (None and 1.0 without drafts), ``steps`` (decode iterations) and ``drafts``."""
+    tokens, up to near ties: ``stats["near_ties"]``). ``return_stats``: (tokens, stats) with
+    ``accept_rate`` and ``tokens_per_step`` (None and 1.0 without drafts), ``steps`` (decode
+    iterations), ``drafts`` and ``near_ties`` (None without drafts)."""
     if speculative not in (None, "mtp"):
         raise ValueError(f"speculative must be None or 'mtp', got {speculative!r}")
     if mesh is not None:
@@ -90,5 +91,6 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int, mesh=Non
         out, stats = mtp_decode.generate(params, cfg, prompts, max_new_tokens=max_new_tokens, **kwargs)
     else:
         out = transformer.generate(params, cfg, prompts, max_new_tokens=max_new_tokens, **kwargs)
-        stats = {"accept_rate": None, "tokens_per_step": 1.0, "steps": max_new_tokens - 1, "drafts": 0}
+        stats = {"accept_rate": None, "tokens_per_step": 1.0, "steps": max_new_tokens - 1, "drafts": 0,
+                 "near_ties": None}
     return (out, stats) if return_stats else out

@@ -21,7 +21,9 @@ draft).
 
 Stats: ``accept_rate`` (accepted drafts / drafts verified), ``tokens_per_step`` (tokens the
 decode steps emitted per row-step: 1 + accept_rate before the last step's overshoot is cut),
-``steps`` (decode iterations) and ``drafts``.
+``steps`` (decode iterations), ``drafts``, and ``near_ties``: emitted tokens whose model
+logits had their top two within :data:`NEAR_TIE` (a two-token verify and a one-token step are
+different programs: at such a near tie their greedy choices may differ by rounding alone).
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ from pdjax.model import transformer as tfm
 from pdjax.model.cache import KVCache, to_cache_dtype
 from pdjax.model.checks import check_layers
 from pdjax.model.prompts import pad_prompts
+
+#: top-two logit gap under which an emitted token counts as a near tie
+NEAR_TIE = 1e-5
 
 
 def _mtp_fresh(params, cfg, g_BTD, next_BT, lengths_B, max_len, moe_impl):
@@ -62,19 +67,26 @@ def _greedy(logits):
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
+def _near_tie(logits):
+    """Whether the top two logits are within :data:`NEAR_TIE` (per row/position)."""
+    top2 = jax.lax.top_k(logits, 2)[0]
+    return (top2[..., 0] - top2[..., 1]) < NEAR_TIE
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "max_len", "moe_impl"))
 def _prefill(params, cfg, tokens_BT, lengths_B, max_len, moe_impl=None):
     """The prompt through the model and depth 1: (first token [B], first draft [B], caches)."""
     x, cache = tfm.fresh_core(params, cfg, tokens_BT, lengths_B, max_len, False, moe_impl)
     g = tfm.final_hidden(params, cfg, x)
     last = lengths_B - 1
-    first = _greedy(tfm.logits_of(params, _at(g, last)))
+    first_logits = tfm.logits_of(params, _at(g, last))
+    first = _greedy(first_logits)
     B, T = tokens_BT.shape
     nxt = jnp.concatenate([tokens_BT[:, 1:], jnp.zeros((B, 1), tokens_BT.dtype)], axis=1)
     nxt = jnp.where(jnp.arange(T)[None, :] == last[:, None], first[:, None], nxt).astype(jnp.int32)
     g1, mtp_cache = _mtp_fresh(params, cfg, g, nxt, lengths_B, max_len, moe_impl)
     draft = _greedy(tfm.logits_of(params, _at(g1, last)))
-    return first, draft, cache, mtp_cache
+    return first, draft, cache, mtp_cache, jnp.sum(_near_tie(first_logits))
 
 
 def _step(params, cfg, moe_impl, state):
@@ -86,7 +98,8 @@ def _step(params, cfg, moe_impl, state):
     valid = jnp.broadcast_to(active[:, None], chunk.shape)                 # finished rows: off the experts
     x, cache = tfm.chunk_core(params, cfg, chunk, cache, jnp.zeros_like(start), True, moe_impl, valid)
     g = tfm.final_hidden(params, cfg, x)
-    a = _greedy(tfm.logits_of(params, g))                                   # [B,2]
+    logits = tfm.logits_of(params, g)
+    a = _greedy(logits)                                                     # [B,2]
     accepted = (a[:, 0] == draft) & active
     keep = jnp.where(active, 1 + accepted.astype(jnp.int32), 0)
     cache = cache.with_layers(cache.layers(), start + keep)
@@ -101,7 +114,9 @@ def _step(params, cfg, moe_impl, state):
     out = out.at[rows, jnp.minimum(n + 1, cap)].set(
         jnp.where(accepted, a[:, 1], out[rows, jnp.minimum(n + 1, cap)]))
     last = jnp.where(accepted, a[:, 1], jnp.where(active, a[:, 0], last))
-    counts = counts + jnp.stack([jnp.sum(active), jnp.sum(accepted), jnp.any(active).astype(jnp.int32)])
+    ties = _near_tie(logits)
+    counts = counts + jnp.stack([jnp.sum(active), jnp.sum(accepted), jnp.any(active).astype(jnp.int32),
+                                 jnp.sum(ties[:, 0] & active) + jnp.sum(ties[:, 1] & accepted)])
     return last, draft, cache, mtp_cache, out, n + keep, counts, max_new
 
 
@@ -109,7 +124,7 @@ def _step(params, cfg, moe_impl, state):
 def _loop(params, cfg, first, draft, cache, mtp_cache, max_new, moe_impl=None):
     B = first.shape[0]
     out = jnp.zeros((B, max_new + 1), jnp.int32).at[:, 0].set(first)
-    state = (first, draft, cache, mtp_cache, out, jnp.ones((B,), jnp.int32), jnp.zeros((3,), jnp.int32),
+    state = (first, draft, cache, mtp_cache, out, jnp.ones((B,), jnp.int32), jnp.zeros((4,), jnp.int32),
              jnp.int32(max_new))
     state = jax.lax.while_loop(lambda s: jnp.any(s[5] < s[7]), functools.partial(_step, params, cfg, moe_impl),
                                state)
@@ -145,11 +160,11 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int, max_len:
 def _generate(params, cfg: ModelConfig, tokens, lengths, max_new_tokens: int, max_len: int, moe_impl=None):
     """(new tokens [B, max_new_tokens] numpy, stats) for right-padded prompts [B,T]."""
     lengths = jnp.asarray(lengths, jnp.int32)
-    first, draft, cache, mtp_cache = _prefill(params, cfg, jnp.asarray(tokens, jnp.int32), lengths, max_len,
-                                              moe_impl)
+    first, draft, cache, mtp_cache, ties = _prefill(params, cfg, jnp.asarray(tokens, jnp.int32), lengths, max_len,
+                                                    moe_impl)
     new, counts = _loop(params, cfg, first, draft, cache, mtp_cache, max_new_tokens, moe_impl)
-    drafts, accepted, steps = (int(c) for c in np.asarray(counts))
+    drafts, accepted, steps, step_ties = (int(c) for c in np.asarray(counts))
     stats = {"accept_rate": accepted / drafts if drafts else None,
              "tokens_per_step": (drafts + accepted) / drafts if drafts else None,
-             "steps": steps, "drafts": drafts}
+             "steps": steps, "drafts": drafts, "near_ties": int(ties) + step_ties}
     return np.asarray(new), stats

@@ -131,7 +131,7 @@ def test_mtp_drafts_change_nothing_in_the_tokens(cfg, params):
     for c, p in ((cfg, params), (pcfg, perfect), (pcfg, noisy)):
         want = pdjax.generate(p, c, PROMPTS, max_new_tokens=10)
         got, stats = pdjax.generate(p, c, PROMPTS, max_new_tokens=10, speculative="mtp", return_stats=True)
-        assert got == want
+        assert stats["near_ties"] == 0 and got == want
         assert stats["tokens_per_step"] == pytest.approx(1 + stats["accept_rate"])
         rates.append(stats["accept_rate"])
     assert rates[0] < 0.2 and rates[1] == 1.0 and 0.0 < rates[2] < 1.0, rates
@@ -144,9 +144,47 @@ def test_a_perfect_drafter_halves_the_decode_steps(cfg, params):
     pcfg, perfect = _perfect_drafter(cfg, params)
     _, stats = pdjax.generate(perfect, pcfg, [[1, 2, 3]], max_new_tokens=9, speculative="mtp", return_stats=True)
     # the prefill gives token 1, each step two more: 8 more tokens in 4 steps
-    assert stats == {"accept_rate": 1.0, "tokens_per_step": 2.0, "steps": 4, "drafts": 4}
+    assert stats == {"accept_rate": 1.0, "tokens_per_step": 2.0, "steps": 4, "drafts": 4, "near_ties": 0}
     _, plain = pdjax.generate(perfect, pcfg, [[1, 2, 3]], max_new_tokens=9, return_stats=True)
-    assert plain == {"accept_rate": None, "tokens_per_step": 1.0, "steps": 8, "drafts": 0}
+    assert plain == {"accept_rate": None, "tokens_per_step": 1.0, "steps": 8, "drafts": 0, "near_ties": None}
+
+
+def test_near_ties_are_counted():
+    """A model whose logits are all equal (final norm zero): every emitted token is a tie."""
+    cfg = pdjax.configs.tiny(num_nextn_predict_layers=1)
+    p = pdjax.init_params(cfg, jax.random.key(5))
+    p = dict(p, final_norm=jnp.zeros_like(p["final_norm"]))
+    out, stats = pdjax.generate(p, cfg, [[1, 2]], max_new_tokens=5, speculative="mtp", return_stats=True)
+    assert out == [[0] * 5] and stats["near_ties"] == 5
+
+
+def test_a_trained_drafter_is_mostly_accepted_and_changes_nothing():
+    """A tiny model trained with the MTP loss on counting sequences (t, t+1, t+2, ... mod V)
+    for a few hundred steps: its drafts are nearly always right, the decode takes about
+    half the steps, and the tokens are plain greedy's."""
+    import optax
+
+    cfg = pdjax.configs.tiny(num_nextn_predict_layers=1)
+    params = pdjax.init_params(cfg, jax.random.key(6))
+    opt = optax.adam(3e-3)
+
+    @jax.jit
+    def step(params, state, key):
+        tokens = (jax.random.randint(key, (16, 1), 0, cfg.vocab_size) + jnp.arange(12)) % cfg.vocab_size
+        loss, grads = jax.value_and_grad(lambda p: pdjax.loss(p, cfg, tokens, mtp_weight=0.3))(params)
+        updates, state = opt.update(grads, state)
+        return optax.apply_updates(params, updates), state, loss
+
+    state = opt.init(params)
+    for key in jax.random.split(jax.random.key(7), 300):
+        params, state, loss = step(params, state, key)
+    assert float(loss) < 0.1
+    prompts = [[(s + j) % cfg.vocab_size for j in range(n)] for s, n in ((3, 5), (100, 2), (250, 7))]
+    want = pdjax.generate(params, cfg, prompts, max_new_tokens=12)
+    assert want[0][:4] == [8, 9, 10, 11]
+    got, stats = pdjax.generate(params, cfg, prompts, max_new_tokens=12, speculative="mtp", return_stats=True)
+    assert stats["near_ties"] == 0 and got == want
+    assert stats["accept_rate"] > 0.9 and stats["steps"] <= 7, stats
 
 
 def test_mtp_logits_match_the_definition_at_every_depth():
