@@ -88,22 +88,27 @@ def ep_weight_bytes_per_gpu(cfg: ModelConfig, ep_size: int, dtype_bytes: float =
     total = counts.total + counts.mtp
     if layout == "even":
         return total * dtype_bytes / ep_size
-    return (counts.routed_experts / ep_size + (total - counts.routed_experts)) * dtype_bytes
+    # the MTP modules' routed experts split like any MoE layer's
+    routed = counts.routed_experts + counts.mtp_layers * cfg.n_routed_experts * 3 * cfg.hidden_size * \
+        cfg.moe_intermediate_size
+    return (routed / ep_size + (total - routed)) * dtype_bytes
 
 
 def smallest_fitting_ep(cfg: ModelConfig, memory_bytes: float, dtype_bytes: float = 1, layout: str = "even",
-                        reserved_bytes: float = 0.0) -> int:
+                        reserved_bytes: float = 0.0, mtp_layers: int = 0) -> int:
     """The smallest EP size at which a rank's weights (:func:`ep_weight_bytes_per_gpu`; a
     dense model: total / EP) fit in ``memory_bytes`` with ``reserved_bytes`` kept free. EP
     sizes tried: the divisors of the routed experts per layer (every rank the same number of
-    experts), a dense model's powers of two up to 1024. None fits: the largest tried."""
+    experts), a dense model's powers of two up to 1024. None fits: the largest tried.
+    ``mtp_layers``: MTP modules held too (speculative decoding on)."""
     check_positive("memory_bytes", memory_bytes)
     if cfg.n_routed_experts:
         sizes = [d for d in range(1, cfg.n_routed_experts + 1) if cfg.n_routed_experts % d == 0]
-        held = lambda ep: ep_weight_bytes_per_gpu(cfg, ep, dtype_bytes, layout)   # noqa: E731
+        held = lambda ep: ep_weight_bytes_per_gpu(cfg, ep, dtype_bytes, layout, mtp_layers)   # noqa: E731
     else:
         sizes = [2 ** k for k in range(11)]
-        total = param_counts(cfg).total * check_positive("dtype_bytes", dtype_bytes)
+        counts = param_counts(cfg, mtp_layers=mtp_layers)
+        total = (counts.total + counts.mtp) * check_positive("dtype_bytes", dtype_bytes)
         held = lambda ep: total / ep                                                # noqa: E731
     return next((ep for ep in sizes if held(ep) + reserved_bytes < memory_bytes), sizes[-1])
 

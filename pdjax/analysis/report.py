@@ -101,7 +101,7 @@ def report(cfg: ModelConfig, hw: HardwareLike, *, context_len: int = 4096,
            ep_layout: str = "even", act_bytes: float = 0.0, link: str = "scale_out",
            num_kv_groups: Optional[int] = None, pipeline_stages: int = 16,
            microbatches: Sequence[int] = (16, 32, 64, 128, 256), bubble_target: float = 0.1,
-           verbose: bool = False) -> Report:
+           speculative: Optional[str] = None, verbose: bool = False) -> Report:
     """Compute the analysis sheet of ``cfg`` on ``hw``; returns it (``print(sheet)`` or
     ``verbose=True`` prints it; in a notebook it displays as a table).
 
@@ -113,23 +113,27 @@ def report(cfg: ModelConfig, hw: HardwareLike, *, context_len: int = 4096,
     :func:`~pdjax.analysis.moe_bounds.smallest_fitting_ep`, and ``memory["ep_size_chosen"]``
     says so);
     ``act_bytes`` reserved for activations; ``link`` the handoff link ("scale_out" or
-    "scale_up"); ``num_kv_groups`` adds a GQA row. Figures the hardware lacks are None,
+    "scale_up"); ``num_kv_groups`` adds a GQA row. ``speculative="mtp"``: the MTP modules'
+    weights and their layers' KV count too (they are served only for speculative decoding;
+    ``params["mtp"]`` says how many). Figures the hardware lacks are None,
     except the ones every row needs (bf16 peak, HBM bytes and bandwidth): ValueError."""
     if not isinstance(cfg, ModelConfig):
         raise TypeError(f"report expects a ModelConfig, got {type(cfg).__name__}")
     hw = hardware(hw)
+    mtp = _served_mtp_layers(cfg, speculative)
     chosen = ep_size is None
-    ep_size = _ep_that_fits(cfg, hw, weight_dtype_bytes, ep_layout, act_bytes) if chosen else ep_size
+    ep_size = _ep_that_fits(cfg, hw, weight_dtype_bytes, ep_layout, act_bytes, mtp) if chosen else ep_size
     _check_sizes(cfg, context_len=context_len, handoff_context_len=handoff_context_len, ep_size=ep_size,
                  pipeline_stages=pipeline_stages, act_bytes=act_bytes, weight_dtype_bytes=weight_dtype_bytes,
                  kv_dtype_bytes=kv_dtype_bytes, bubble_target=bubble_target, microbatches=microbatches)
     hbm = hw.require("hbm_bytes", "the memory sheet")
-    counts = param_counts(cfg)
+    counts = param_counts(cfg, mtp_layers=mtp)
     p_w = weight_dtype_bytes
     roof = _roofline_section(hw, compute_dtype, p_w)
     attention, mla_kv = _attention_section(cfg, kv_dtype_bytes, num_kv_groups)
     mha_kv = attention["mha_kv_per_token_B"]
-    memory = _memory_section(cfg, counts, hbm, p_w, ep_size, ep_layout, act_bytes, context_len, mla_kv, mha_kv)
+    memory = _memory_section(cfg, counts, hbm, p_w, ep_size, ep_layout, act_bytes, context_len,
+                             mla_kv * (cfg.num_hidden_layers + mtp) / cfg.num_hidden_layers, mha_kv)
     memory["ep_size_chosen"] = chosen
     handoff = _handoff_section(hw, counts, link, handoff_context_len, compute_dtype, mla_kv, mha_kv)
     moe_sheet = _moe_section(cfg, hw, compute_dtype, p_w)
@@ -144,7 +148,7 @@ def report(cfg: ModelConfig, hw: HardwareLike, *, context_len: int = 4096,
 
     params = {"total": counts.total, "active": counts.active,
               "active_with_embedding": counts.active_with_embedding,
-              "routed_experts": counts.routed_experts, "non_routed": counts.non_routed,
+              "routed_experts": counts.routed_experts, "non_routed": counts.non_routed, "mtp": counts.mtp,
               "weights_total_GB": counts.total * p_w / GB, "weight_dtype_bytes": p_w}
 
     out = Report(model=describe(cfg), hardware=hw.name, params=params, roofline=roof,
@@ -189,11 +193,22 @@ def _attention_section(cfg: ModelConfig, kv_dtype_bytes: float,
     return attention, mla_kv
 
 
-def _ep_that_fits(cfg: ModelConfig, hw, weight_dtype_bytes: float, ep_layout: str, act_bytes: float) -> int:
+def _served_mtp_layers(cfg: ModelConfig, speculative) -> int:
+    """The MTP modules a server holds: the config's with ``speculative="mtp"``, else none."""
+    if speculative not in (None, "mtp"):
+        raise ValueError(f"speculative must be None or 'mtp', got {speculative!r}")
+    if speculative and not cfg.num_nextn_predict_layers:
+        raise ValueError("speculative='mtp' needs a config with MTP modules (num_nextn_predict_layers >= 1)")
+    return cfg.num_nextn_predict_layers if speculative else 0
+
+
+def _ep_that_fits(cfg: ModelConfig, hw, weight_dtype_bytes: float, ep_layout: str, act_bytes: float,
+                  mtp: int = 0) -> int:
     """report's default EP size: the smallest at which the weights and ``act_bytes`` fit."""
     check_nonnegative("act_bytes", act_bytes)
     return moe_bounds.smallest_fitting_ep(cfg, hw.require("hbm_bytes", "the memory sheet"),
-                                          check_positive("weight_dtype_bytes", weight_dtype_bytes), ep_layout, act_bytes)
+                                          check_positive("weight_dtype_bytes", weight_dtype_bytes), ep_layout,
+                                          act_bytes, mtp)
 
 
 def _moe_section(cfg: ModelConfig, hw, compute_dtype: str, p_w: float) -> dict:
@@ -208,8 +223,8 @@ def _moe_section(cfg: ModelConfig, hw, compute_dtype: str, p_w: float) -> dict:
 def _memory_section(cfg: ModelConfig, counts, hbm: float, p_w: float, ep_size: int, ep_layout: str,
                     act_bytes: float, context_len: int, mla_kv: float, mha_kv: float) -> dict:
     """The [memory] section: weights per device, what is left of HBM, C_max MLA vs MHA."""
-    weights = moe_bounds.ep_weight_bytes_per_gpu(cfg, ep_size, p_w, ep_layout) if cfg.n_routed_experts \
-        else counts.total * p_w / check_int("ep_size", ep_size)
+    weights = moe_bounds.ep_weight_bytes_per_gpu(cfg, ep_size, p_w, ep_layout, counts.mtp_layers) \
+        if cfg.n_routed_experts else (counts.total + counts.mtp) * p_w / check_int("ep_size", ep_size)
     free = hbm - weights - act_bytes
     fits = free > 0
     free_b = max(free, 0.0)

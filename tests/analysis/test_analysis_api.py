@@ -336,3 +336,25 @@ def test_kv_heads_per_attention_kind_and_the_mla_default():
     assert kv.kv_heads(cfg, "gqa", num_kv_groups=8) == 8
     assert kv.kv_elements_per_token(cfg) == kv.kv_elements_per_token(cfg, "mla") == \
         (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_hidden_layers
+
+
+def test_report_counts_the_mtp_modules_only_when_speculative_decoding_serves_them():
+    """speculative="mtp": each GPU also holds the MTP module (its routed experts split over
+    the EP ranks like any MoE layer's, the rest whole) and its layer's latent KV."""
+    from pdjax.analysis.units import GB
+
+    v3 = pdjax.configs.deepseek_v3()
+    counts = A.param_counts(v3)
+    routed = v3.n_routed_experts * 3 * v3.hidden_size * v3.moe_intermediate_size
+    # bytes at fp8: "even" splits the whole model over EP, "replicated" only the routed experts
+    for layout, held in (("even", counts.mtp / 32), ("replicated", (counts.mtp - routed) + routed / 32)):
+        plain = A.report(v3, "h800", ep_size=32, weight_dtype_bytes=1, ep_layout=layout)
+        spec = A.report(v3, "h800", ep_size=32, weight_dtype_bytes=1, ep_layout=layout, speculative="mtp")
+        assert plain.params["mtp"] == 0 and spec.params["mtp"] == counts.mtp
+        delta = (spec.memory["weights_per_gpu_GB"] - plain.memory["weights_per_gpu_GB"]) * GB
+        assert delta == pytest.approx(held, rel=1e-9), layout
+    assert spec.memory["mla_kv_per_sequence_GB"] / plain.memory["mla_kv_per_sequence_GB"] == pytest.approx(62 / 61)
+    with pytest.raises(ValueError, match="speculative='mtp' needs a config with MTP modules"):
+        A.report(pdjax.configs.deepseek_v2(), "h800", speculative="mtp")
+    with pytest.raises(ValueError, match="speculative must be None or 'mtp'"):
+        A.report(v3, "h800", speculative="eagle")
