@@ -146,17 +146,19 @@ def report(cfg: ModelConfig, hw: HardwareLike, *, context_len: int = 4096,
     afd_sheet = {"min_microbatches_Tc_half_Tf": afd_bounds.afd_min_microbatches(0.5, 1.0),
                  "min_microbatches_Tc_eq_Tf": afd_bounds.afd_min_microbatches(1.0, 1.0)}
 
-    params = {"total": counts.total, "active": counts.active,
-              "active_with_embedding": counts.active_with_embedding,
-              "routed_experts": counts.routed_experts, "non_routed": counts.non_routed, "mtp": counts.mtp,
-              "weights_total_GB": counts.total * p_w / GB, "weight_dtype_bytes": p_w}
-
-    out = Report(model=describe(cfg), hardware=hw.name, params=params, roofline=roof,
+    out = Report(model=describe(cfg), hardware=hw.name, params=_params_section(counts, p_w), roofline=roof,
                  attention=attention, memory=memory, handoff=handoff, moe=moe_sheet,
                  pipeline=pipeline, afd=afd_sheet)
     if verbose:
         print(out)
     return out
+
+
+def _params_section(counts, p_w: float) -> dict:
+    """The [params] section: the counts, MTP apart (0 unless served), and the weights' size."""
+    return {"total": counts.total, "active": counts.active, "active_with_embedding": counts.active_with_embedding,
+            "routed_experts": counts.routed_experts, "non_routed": counts.non_routed, "mtp": counts.mtp,
+            "weights_total_GB": counts.total * p_w / GB, "weight_dtype_bytes": p_w}
 
 
 def _roofline_section(hw, compute_dtype: str, p_w: float) -> dict:
