@@ -7,7 +7,8 @@
    ``pdjax.loss(..., mtp_weight=0.3)``, optax adamw (warm-up then cosine decay). The trained
    params go to ``--cache`` (an ``.npz`` with the config and training settings inside); a
    later run with the same settings loads them (``--retrain`` trains again).
-2. For each batch size: prompts are held-out windows of ``--prompt`` bytes; ``pdjax.generate``
+2. For each batch size B: the prompts are the first B of the same held-out windows of
+   ``--prompt`` bytes (batch 1: one prompt, so one sample); ``pdjax.generate``
    with ``max_new_tokens=--new``, plain and ``speculative="mtp"``, each timed end to end
    (a warm-up call compiles first), interleaved over ``--repeats`` repeats:
 
