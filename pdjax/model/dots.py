@@ -57,3 +57,8 @@ def _single_row_axes(spec: str, x, w):
     if not free or math.prod(x.shape[i] for i in free) != 1:
         return None
     return free[0], out.index(xs[free[0]])
+
+
+def logits_of(params, g):
+    """The LM head on normed states (the main model's, or an MTP depth's): float32 logits."""
+    return einsum_f32("...D,DV->...V", g, params["lm_head"].astype(g.dtype))

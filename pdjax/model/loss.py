@@ -13,11 +13,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pdjax.arguments import check_number
+from pdjax.arguments import check_nonnegative
 from pdjax.model_config import ModelConfig
 from pdjax.model import mtp
 from pdjax.model import transformer as tfm
-from pdjax.model.checks import check_layers, check_tokens, is_tracer
+from pdjax.model.checks import check_cfg, check_layers, check_tokens, is_tracer
 
 
 def token_nll_sum(logits_BNV, targets_BN):
@@ -55,28 +55,30 @@ def loss_core(params, cfg: ModelConfig, tokens_BT, mtp_weight, use_mtp: bool, mo
 _loss = jax.jit(loss_core, static_argnames=("cfg", "use_mtp", "moe_impl"))
 
 
+def check_mtp_weight(mtp_weight, cfg: ModelConfig):
+    """``mtp_weight``: finite and >= 0 (a tracer passes: differentiated or traced over), > 0
+    only for a config with MTP modules. Returns it."""
+    if is_tracer(mtp_weight):
+        return mtp_weight
+    if check_nonnegative("mtp_weight", mtp_weight) and not cfg.num_nextn_predict_layers:
+        raise ValueError(f"mtp_weight={mtp_weight!r} needs the MTP modules: cfg.num_nextn_predict_layers is 0")
+    return mtp_weight
+
+
 def loss(params, cfg: ModelConfig, tokens, *, mtp_weight=0.0, moe_impl=None):
     """Mean next-token cross-entropy of ``tokens`` [B,T] (float32 scalar), plus ``mtp_weight``
     times the mean MTP cross-entropy (see the module docstring). Differentiable
     (``jax.value_and_grad(pdjax.loss)``); checked before any compute: tokens in the
-    vocabulary, T >= 2 (>= depths + 2 with MTP), the params holding the MTP modules
-    ``mtp_weight`` > 0 needs."""
-    if not isinstance(cfg, ModelConfig):
-        raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+    vocabulary, T >= 2 (>= depths + 2 with MTP), a config with MTP modules when
+    ``mtp_weight`` > 0 (the params hold them: :func:`pdjax.model.checks.check_layers`)."""
+    check_cfg(cfg)
+    use_mtp = is_tracer(check_mtp_weight(mtp_weight, cfg)) or mtp_weight != 0
     tokens = check_tokens(cfg, tokens, 2)
     check_layers(params, cfg, None, moe_impl)
-    use_mtp = is_tracer(mtp_weight) or check_number("mtp_weight", mtp_weight) != 0.0
-    if not is_tracer(mtp_weight) and not mtp_weight >= 0:
-        raise ValueError(f"mtp_weight must be >= 0, got {mtp_weight!r}")
     need = 2 + (cfg.num_nextn_predict_layers if use_mtp else 0)
     if tokens.shape[1] < need:
         raise ValueError(f"loss needs sequences of at least {need} tokens"
                          f"{' (num_nextn_predict_layers + 2 with mtp_weight)' if use_mtp else ''}, "
                          f"got {tokens.shape[1]}")
-    if use_mtp:
-        depths = len(params.get(mtp.MTP, ())) if isinstance(params, dict) else 0
-        if cfg.num_nextn_predict_layers == 0 or depths != cfg.num_nextn_predict_layers:
-            raise ValueError(f"mtp_weight={mtp_weight!r} needs the MTP modules: cfg.num_nextn_predict_layers="
-                             f"{cfg.num_nextn_predict_layers}, params['{mtp.MTP}'] holds {depths}")
     return _loss(params, cfg, tokens, jnp.asarray(mtp_weight, jnp.float32), use_mtp, moe_impl)
 

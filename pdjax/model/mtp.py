@@ -55,17 +55,6 @@ def mtp_weights(cfg: ModelConfig, key, dtype, layer_weights) -> list:
     return out
 
 
-def normed_hidden(params, cfg: ModelConfig, x_BTD):
-    """The main model's final norm of its last layer's output: the state its head reads and
-    depth 1 takes."""
-    return mla.rms_norm(x_BTD.astype(cfg.compute_dtype), params["final_norm"], cfg.rms_norm_eps)
-
-
-def logits_of(params, g_BTD):
-    """The shared output head on normed states: logits [..., V] float32."""
-    return dots.einsum_f32("...D,DV->...V", g_BTD, params["lm_head"].astype(g_BTD.dtype))
-
-
 def depth_input(p, cfg: ModelConfig, emb_BTD, g_BTD):
     """eh_proj([enorm(emb); hnorm(g)]): one depth's input to its decoder block."""
     cd = cfg.compute_dtype
@@ -86,12 +75,13 @@ def depth_block(p, cfg: ModelConfig, emb_BTD, g_BTD, q_pos_BT, layer, kv_layer=N
 def mtp_logits(params, cfg: ModelConfig, g_BTD, tokens_BT, layer, moe_impl=None) -> list:
     """Every depth's logits over a whole sequence (training, no cache): depth k's are
     [B, T-k, V], position i predicting token i+k+1 (its last position has no target).
-    ``g_BTD``: the main model's normed hidden states (:func:`normed_hidden`)."""
+    ``g_BTD``: the main model's normed hidden states
+    (:func:`pdjax.model.transformer.final_hidden`)."""
     out = []
     B, T = tokens_BT.shape
     for k, p in enumerate(params[MTP], start=1):
         emb = params["embed"][tokens_BT[:, k:]]
         q_pos = jnp.broadcast_to(jnp.arange(T - k, dtype=jnp.int32), (B, T - k))
         g_BTD, _ = depth_block(p, cfg, emb, g_BTD[:, :T - k], q_pos, layer, moe_impl=moe_impl)
-        out.append(logits_of(params, g_BTD))
+        out.append(dots.logits_of(params, g_BTD))
     return out

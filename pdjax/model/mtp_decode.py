@@ -50,7 +50,7 @@ def _mtp_fresh(params, cfg, g_BTD, next_BT, lengths_B, max_len, moe_impl):
     """Depth 1 over a prompt (no cache yet): (its normed states [B,T,D], its one-layer cache)."""
     B, T = next_BT.shape
     q_pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    valid = jnp.arange(T, dtype=jnp.int32)[None, :] < lengths_B[:, None]
+    valid = tfm._valid(T, lengths_B)
     emb = tfm.embed(params, next_BT, cfg)
     g1, kv = mtp.depth_block(params[mtp.MTP][0], cfg, emb, g_BTD, q_pos, tfm.layer, moe_impl=moe_impl,
                              valid_BT=valid)

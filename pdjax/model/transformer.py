@@ -40,7 +40,8 @@ import numpy as np
 
 from pdjax.arguments import check_int
 from pdjax.model_config import ModelConfig
-from pdjax.model import dots, layer_scan, mla
+from pdjax.model import layer_scan, mla
+from pdjax.model.dots import logits_of
 from pdjax.model import moe as moe_lib
 from pdjax.model.cache import KVCache, host_lengths, remember_lengths, to_cache_dtype, write_rows
 from pdjax.model.checks import check_cache, check_layers, check_lengths, check_tokens, is_tracer, on_device
@@ -129,11 +130,6 @@ def head(params, cfg: ModelConfig, x):
 def final_hidden(params, cfg: ModelConfig, x):
     """The final RMSNorm of the last layer's output: what the head and MTP depth 1 read."""
     return mla.rms_norm(x.astype(cfg.compute_dtype), params["final_norm"], cfg.rms_norm_eps)
-
-
-def logits_of(params, g):
-    """The LM head on normed states (the main model's, or an MTP depth's): float32 logits."""
-    return dots.einsum_f32("...D,DV->...V", g, params["lm_head"].astype(g.dtype))
 
 
 # ---- jitted cores ------------------------------------------------------------------------

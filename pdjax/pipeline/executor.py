@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pdjax.arguments import check_int
+from pdjax.model.loss import check_mtp_weight
 from pdjax.model_config import ModelConfig
 from pdjax.pipeline import executor_checks as ec
 from pdjax.pipeline import multiprocess
@@ -89,7 +90,7 @@ class Executor:
     def __init__(self, schedule, cfg: ModelConfig, devices=None, loss: str = "next_token", *,
                  layers_per_stage=None, measure: bool = True, timeout_s: float = 600.0, mtp_weight: float = 0.0):
         devices, k, num_chunks = ec.check_setup(schedule, cfg, devices, loss)
-        self.mtp_weight = ec.check_mtp_weight(mtp_weight, cfg)
+        self.mtp_weight = float(check_mtp_weight(mtp_weight, cfg))
         layout, n = schedule.layout, schedule.num_ranks
         self.schedule, self.cfg, self.loss, self.measure, self.timeout_s = schedule, cfg, loss, measure, timeout_s
         self.devices_per_rank = k

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import jax
 
-from pdjax.arguments import check_nonnegative
 from pdjax.model_config import ModelConfig
 from pdjax.model import checks, layer_scan
 from pdjax.schedules.schedule import Schedule
@@ -72,14 +71,6 @@ def check_batch(tokens, cfg: ModelConfig, num_microbatches: int, devices_per_ran
     tokens = checks.check_tokens(cfg, tokens, 2, host=True)
     check_shape(tokens.shape, cfg, num_microbatches, devices_per_rank)
     return tokens
-
-
-def check_mtp_weight(mtp_weight, cfg: ModelConfig) -> float:
-    """``mtp_weight`` >= 0, finite; > 0 only for a config with MTP modules."""
-    w = float(check_nonnegative("mtp_weight", mtp_weight))
-    if w and not cfg.num_nextn_predict_layers:
-        raise ValueError(f"mtp_weight={mtp_weight!r} needs the MTP modules: cfg.num_nextn_predict_layers is 0")
-    return w
 
 
 def check_shape(batch_shape, cfg: ModelConfig, num_microbatches: int, devices_per_rank: int,

@@ -36,9 +36,8 @@ import jax.numpy as jnp
 from jax._src import core as jcore
 
 from pdjax.model_config import ModelConfig
-from pdjax.model import mtp
 from pdjax.model import transformer as tfm
-from pdjax.model.loss import next_token_loss_sum
+from pdjax.model.loss import mtp_loss_mean, next_token_loss_sum
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,17 +78,17 @@ def split_layers(num_layers: int, num_chunks: int, layers=None) -> tuple[Chunk, 
     return tuple(out)
 
 
-def chunk_params(params: dict, chunk: Chunk, mtp: bool = False) -> dict:
-    """The params a chunk uses (a sub-pytree of the model's). ``mtp``: the last chunk also
+def chunk_params(params: dict, chunk: Chunk, with_mtp: bool = False) -> dict:
+    """The params a chunk uses (a sub-pytree of the model's). ``with_mtp``: the last chunk also
     holds the MTP modules and the embedding they share (its gradient from there is summed
     with chunk 0's: one rank holds both in DualPipe and DualPipeV, as DeepSeek-V3 places them)."""
     sp = {"layers": list(params["layers"][chunk.start:chunk.stop])}
-    if chunk.first or (chunk.last and mtp):
+    if chunk.first or (chunk.last and with_mtp):
         sp["embed"] = params["embed"]
     if chunk.last:
         sp["final_norm"] = params["final_norm"]
         sp["lm_head"] = params["lm_head"]
-        if mtp:
+        if with_mtp:
             sp["mtp"] = params["mtp"]
     return sp
 
@@ -119,11 +118,10 @@ class StageProgram:
             return h
         g = tfm.final_hidden(sp, self.cfg, h)
         loss = next_token_loss_sum(tfm.logits_of(sp, g), tok) * self.loss_scale
-        if self.mtp_weight:      # pdjax.loss's MTP term: depth k's mean over its B (T-1-k) targets
-            T, D = tok.shape[1], len(sp["mtp"])
-            for k, logits in enumerate(mtp.mtp_logits(sp, self.cfg, g, tok, tfm.layer, self.moe_impl), 1):
-                scale = self.loss_scale * (T - 1) / (T - 1 - k) * self.mtp_weight / D
-                loss = loss + next_token_loss_sum(logits, tok[:, k:]) * scale
+        if self.mtp_weight:      # pdjax.loss's MTP term; loss_scale * b (T-1): this micro-batch's share
+            b, T = tok.shape
+            share = self.loss_scale * b * (T - 1)
+            loss = loss + mtp_loss_mean(sp, self.cfg, g, tok, self.moe_impl) * self.mtp_weight * share
         return loss
 
     def _diff_params(self, sp):

@@ -35,6 +35,7 @@ import numpy as np
 import optax
 
 from pdjax.arguments import check_int
+from pdjax.model.loss import check_mtp_weight
 from pdjax.model_config import ModelConfig
 from pdjax.pipeline import executor_checks as ec
 from pdjax.pipeline.executor import Executor
@@ -141,7 +142,7 @@ def _executor(cfg, schedule, executor, devices, layers_per_stage, mtp_weight=0.0
         raise ValueError(f"executor must be a pdjax.pipeline.Executor, got {type(executor).__name__}")
     if devices is not None or layers_per_stage is not None:
         raise ValueError("with an executor, devices and layers_per_stage come from it: pass None")
-    if executor.mtp_weight != ec.check_mtp_weight(mtp_weight, cfg):
+    if executor.mtp_weight != check_mtp_weight(mtp_weight, cfg):
         raise ValueError(f"the executor's mtp_weight is {executor.mtp_weight}, train was given {mtp_weight!r}")
     if executor.measure:
         raise ValueError("the executor measures every op (a host sync per op): pass one built with "
