@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 
 from pdjax.model_config import ModelConfig
-from pdjax.model import checks, mtp_decode, transformer
+from pdjax.model import checks, mtp, mtp_decode, transformer
 from pdjax.model.sharding import ShardingRules
 from pdjax.parallel.dbo import DualBatchOverlap
 from pdjax.parallel.ep import ExpertParallel
@@ -82,8 +82,7 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int, mesh=Non
     tokens, up to near ties: ``stats["near_ties"]``). ``return_stats``: (tokens, stats) with
     ``accept_rate`` and ``tokens_per_step`` (None and 1.0 without drafts), ``steps`` (decode
     iterations), ``drafts`` and ``near_ties`` (None without drafts)."""
-    if speculative not in (None, "mtp"):
-        raise ValueError(f"speculative must be None or 'mtp', got {speculative!r}")
+    mtp.check_speculative(params, cfg, speculative)
     if mesh is not None:
         params, ep, bs = _on_mesh(params, cfg, mesh, _batch_of(prompts), capacity_factor, rules, overlap, dispatch)
         kwargs = {**kwargs, "moe_impl": ep} if speculative else {**kwargs, "moe_impl": ep, "batch_sharding": bs}

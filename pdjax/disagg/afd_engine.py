@@ -84,6 +84,9 @@ class AFDEngine(Engine):
     def __init__(self, params, cfg: ModelConfig, *, attention_devices, ffn_devices=None, ffn_address: str | None = None,
                  num_microbatches: int = 2, max_decode_slots: int | None = None, prefill_mesh: dict | None = None,
                  ffn_retries: int = 1, ffn_timeout_s: float = 60.0, **kwargs):
+        if kwargs.get("speculative") is not None:
+            raise ValueError("AFDEngine decodes one token a step; MTP speculative decoding is served by PDEngine "
+                             "and ColocatedEngine")
         if (ffn_devices is None) == (ffn_address is None):
             raise ValueError("give exactly one of ffn_devices (the FFN side in this process) and ffn_address "
                              "(an FFN process's control address, `pdjax serve --role ffn`)")

@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from pdjax.model_config import ModelConfig
 from pdjax.disagg.request import Request
 from pdjax.disagg.sampling import sample
+from pdjax.disagg.spec_decode import spec_step
 from pdjax.model.cache import scatter_rows
 from pdjax.model.paged import BlockAllocator, init_paged_cache, view_bucket
 from pdjax.model.transformer import decode_core
@@ -65,6 +66,7 @@ class SlotState:
     seed: jax.Array            # int32
     gen: jax.Array             # int32: generation index of the token the next step samples
     valid: jax.Array           # bool: the slot holds a running request
+    draft: jax.Array           # int32: the MTP draft for the position after last_token (speculative)
 
     @classmethod
     def empty(cls, slots: int, sharding) -> "SlotState":
@@ -72,7 +74,7 @@ class SlotState:
         def z(dtype):
             return np.zeros(slots, dtype)
         return jax.device_put(cls(z(np.int32), z(np.float32), np.ones(slots, np.float32), z(np.int32),
-                                  z(np.int32), z(bool)), sharding)
+                                  z(np.int32), z(bool), z(np.int32)), sharding)
 
     def fields(self) -> tuple:
         """The arrays, in field order."""
@@ -114,19 +116,28 @@ def _insert_rows(shard, rows_TL, index_2T):
 @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
 def _set_slot(block_tables, lengths, state, row, ints, floats):
     """Slot ``ints[0]`` gets block-table ``row``, length ``ints[1]`` and state (last token,
-    seed, gen, valid) = ints[2:6], (temperature, top_p) = floats: one small donated update."""
+    seed, gen, valid, draft) = ints[2:7], (temperature, top_p) = floats: one small donated update."""
     slot = ints[0]
-    values = (ints[2], floats[0], floats[1], ints[3], ints[4], ints[5] != 0)
+    values = (ints[2], floats[0], floats[1], ints[3], ints[4], ints[5] != 0, ints[6])
     state = SlotState(*(a.at[slot].set(v.astype(a.dtype)) for a, v in zip(state.fields(), values)))
     return block_tables.at[slot].set(row), lengths.at[slot].set(ints[1]), state
 
 
 class DecodePool:
+    """``speculative="mtp"``: every step verifies each slot's MTP draft and drafts the next
+    (:mod:`pdjax.disagg.spec_decode`); the cache then holds the MTP layer's rows after the main
+    model's layers (one more layer each request's handoff fills), and a step emits one or two
+    tokens per slot. ``spec_counts``: [drafts verified, accepted] since the pool was built."""
+
     def __init__(self, params, cfg: ModelConfig, devices, mesh_axes: dict, *, slots: int,
-                 block_size: int, max_context: int, num_blocks: int | None = None, min_view_tokens: int = 256):
+                 block_size: int, max_context: int, num_blocks: int | None = None, min_view_tokens: int = 256,
+                 speculative: str | None = None):
         if not isinstance(min_view_tokens, int) or min_view_tokens < 1:
             raise ValueError(f"min_view_tokens must be a positive integer, got {min_view_tokens!r}")
         self.cfg = cfg
+        self.speculative = speculative
+        self.cache_layers = cfg.num_hidden_layers + (speculative is not None)
+        self.spec_counts = np.zeros(2, np.int64)
         self.min_view_tokens = min_view_tokens
         self.mesh = make_mesh(mesh_axes, devices)
         self.axes = tuple(self.mesh.axis_names)
@@ -140,7 +151,7 @@ class DecodePool:
         self.params = shard_params(params, cfg, self.mesh)
         self.cache = init_paged_cache(cfg, slots=slots, num_blocks=num_blocks, block_size=block_size,
                                       blocks_per_slot=self.blocks_per_slot, dtype=cfg.kv_cache_dtype,
-                                      mesh=self.mesh, axes=self.axes)
+                                      mesh=self.mesh, axes=self.axes, layers=self.cache_layers)
         self.batch_sharding = NamedSharding(self.mesh, P(self.axes if len(self.axes) > 1 else self.axes[0]))
         self.alloc = BlockAllocator(self.ranks, num_blocks, block_size)
         self.rank_devices = list(self.mesh.devices.flat)      # rank r's pool shard lives here
@@ -198,7 +209,7 @@ class DecodePool:
         pools[layer] = pool
         self.cache = dataclasses.replace(self.cache, pools=tuple(pools))
         if not res.rows_received:
-            res.rows_received = [0] * self.cfg.num_hidden_layers
+            res.rows_received = [0] * self.cache_layers
         res.rows_received[layer] += T
 
     def check_payload(self, res: Reservation, layer, rows_TL, start) -> None:
@@ -207,8 +218,8 @@ class DecodePool:
         prompt from ``start``, within what the layer still lacks), dtype (one the prefill
         produces: the config's param, compute or cache dtype) and device (the reserving rank's)."""
         cfg, who = self.cfg, f"request {res.request.index} layer {layer!r}"
-        if not isinstance(layer, (int, np.integer)) or not 0 <= layer < cfg.num_hidden_layers:
-            raise ValueError(f"{who}: no such layer (the model has {cfg.num_hidden_layers})")
+        if not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.cache_layers:
+            raise ValueError(f"{who}: no such layer (the pool caches {self.cache_layers} layers)")
         if not isinstance(rows_TL, jax.Array):
             raise ValueError(f"{who}: payload is a {type(rows_TL).__name__}, not a jax.Array")
         W, T, n = cfg.kv_latent_dim, (rows_TL.shape[0] if rows_TL.ndim else 0), len(res.request.prompt)
@@ -245,7 +256,10 @@ class DecodePool:
         # the first token (generation index 0) came from the prefill: the first step samples
         # index len(output) (the driver has usually recorded the first token by now)
         gen = max(len(req.output), 1)
-        self._set_slot(slot, row, len(req.prompt), (int(first_token), req.sampling.seed, gen, 1),
+        draft = req.mtp_draft if self.speculative else 0
+        if draft is None:
+            raise RuntimeError(f"request {req.index}: admitted to a speculative pool without its MTP draft")
+        self._set_slot(slot, row, len(req.prompt), (int(first_token), req.sampling.seed, gen, 1, int(draft)),
                        (req.sampling.temperature, req.sampling.top_p))
         self.pending.remove(res)
         self.slot_req[slot] = res
@@ -255,7 +269,7 @@ class DecodePool:
     def release(self, slot: int) -> None:
         """Free the slot and its request's blocks (between steps)."""
         res = self.slot_req[slot]
-        self._set_slot(slot, np.zeros(self.blocks_per_slot, np.int32), 0, (0, 0, 0, 0), (0.0, 1.0))
+        self._set_slot(slot, np.zeros(self.blocks_per_slot, np.int32), 0, (0, 0, 0, 0, 0), (0.0, 1.0))
         self.slot_req[slot] = None
         self.alloc.release(res.rank, res.blocks)
         self.kv_len[slot] = 0
@@ -276,7 +290,8 @@ class DecodePool:
         at least ``min_view_tokens`` (short contexts share one program: fewer compiles, and a
         step reads at least that many positions a slot)."""
         active = self.active
-        need = int(self.kv_len[active].max()) + 1 if active else 1
+        new = 2 if self.speculative else 1
+        need = int(self.kv_len[active].max()) + new if active else new
         return view_bucket(max(need, self.min_view_tokens), self.block_size, self.blocks_per_slot)
 
     def warm_up(self, sampling=(False, True)) -> int:
@@ -291,12 +306,17 @@ class DecodePool:
         for b in buckets:
             for s in sampling:
                 self.cache = self.cache.with_view(b)
-                toks, self.cache, self.state = _step(self.params, self.cfg, self.cache, self.state, self.ep, s)
+                toks, self.cache, self.state = self._program(s)
         jax.block_until_ready(toks)
         return len(buckets) * len(sampling)
 
-    def step(self) -> dict[int, int]:
-        """One decode step over all slots; returns {slot: new token} for the active ones.
+    def _program(self, sampling: bool):
+        step = spec_step if self.speculative else _step
+        return step(self.params, self.cfg, self.cache, self.state, self.ep, sampling)
+
+    def step(self) -> dict:
+        """One decode step over all slots; returns {slot: new token} for the active ones
+        ({slot: (tokens,)}, one or two, with ``speculative``).
 
         Everything per slot is already on the devices (:class:`SlotState`); the attention reads
         only the first :meth:`view_blocks` blocks of each slot; a batch of greedy requests
@@ -307,7 +327,12 @@ class DecodePool:
             return {}
         self.cache = self.cache.with_view(self.view_blocks())
         sampling = any(self.slot_req[s].request.sampling.temperature > 0 for s in active)
-        toks, self.cache, self.state = _step(self.params, self.cfg, self.cache, self.state, self.ep, sampling)
+        toks, self.cache, self.state = self._program(sampling)
         toks = jax.device_get(toks)
-        self.kv_len[active] += 1
-        return {s: int(toks[s]) for s in active}
+        if not self.speculative:
+            self.kv_len[active] += 1
+            return {s: int(toks[s]) for s in active}
+        keep = toks[active, 2]
+        self.kv_len[active] += keep
+        self.spec_counts += (len(active), int(np.sum(keep == 2)))
+        return {s: tuple(int(t) for t in toks[s, :toks[s, 2]]) for s in active}

@@ -34,27 +34,23 @@ decodes.
 
 from __future__ import annotations
 
-import functools
-import queue
-import threading
-
 import jax
 import numpy as np
 
 from pdjax.arguments import check_int, check_positive
 from pdjax.model_config import ModelConfig
+from pdjax.model.mtp import check_speculative
 from pdjax.disagg.clock import Clock
 from pdjax.disagg.decode import DecodePool
 from pdjax.disagg.link import DevicePutLink, checksum
-from pdjax.disagg.loop import DecodeLoop, FifoLock
+from pdjax.disagg.loop import FifoLock
 from pdjax.disagg.prefill import PrefillPool, chunk_plan
 from pdjax.disagg.prefix_store import PrefixStore
 from pdjax.disagg.request import Request, RequestError, SamplingParams, check_arrivals, validate_request
-from pdjax.disagg.scheduler import (Admitted, CancelPrefill, DecodeScheduler, Failed, LayerArrived, StartPrefill,
-                                    Submit, Token)
+from pdjax.disagg.scheduler import DecodeScheduler, Submit
 from pdjax.disagg.chunking import largest_chunk, whole_buckets
-from pdjax.disagg.signals import Signals, measure_link_bandwidth
-from pdjax.disagg.worker import PrefillJob, PrefillWorker
+from pdjax.disagg.signals import measure_link_bandwidth
+from pdjax.disagg.drivers import EngineRun
 
 
 def _check_options(prefill_devices, decode_devices, colocated, prefill_workers, prefill_cost, prefill_chunk_tokens,
@@ -100,8 +96,9 @@ class Engine:
                  max_prefill_attempts: int = 3, prefill_workers: int = 1,
                  prefill_cost=None, prefill_budget_s: float | None = None,
                  prefill_chunk_tokens: int | None = None, handoff_timeout_s: float | None = None,
-                 link_bandwidth_Bps: float | None = None):
+                 link_bandwidth_Bps: float | None = None, speculative: str | None = None):
         prefill_devices, decode_devices = list(prefill_devices), list(decode_devices)
+        check_speculative(params, cfg, speculative)
         for name, value, optional in (("block_size", block_size, False), ("max_decode_slots", max_decode_slots, False),
                                       ("max_prefill_attempts", max_prefill_attempts, False),
                                       ("max_context", max_context, True), ("num_blocks", num_blocks, True)):
@@ -114,14 +111,17 @@ class Engine:
         self.max_context = cfg.max_position_embeddings if max_context is None else max_context
         self.colocated = colocated
         per = len(prefill_devices) // prefill_workers
-        self.prefills = [PrefillPool(params, cfg, prefill_devices[w * per:(w + 1) * per], prefill_mesh or {"expert": per})
+        self.speculative = speculative
+        self.prefills = [PrefillPool(params, cfg, prefill_devices[w * per:(w + 1) * per],
+                                     prefill_mesh or {"expert": per}, speculative)
                          for w in range(prefill_workers)]
         self.prefill = self.prefills[0]
         # colocated: the decode pool uses the prefill pool's placed params (same devices and
         # mesh: shard_params moves nothing), so the weights are on the devices once
         self.decode = self._decode_pool(self.prefills[0].params if colocated else params, cfg, decode_devices,
                                         decode_mesh or {"expert": len(decode_devices)}, slots=max_decode_slots,
-                                        block_size=block_size, max_context=self.max_context, num_blocks=num_blocks)
+                                        block_size=block_size, max_context=self.max_context, num_blocks=num_blocks,
+                                        speculative=speculative)
         self.max_prefill_attempts = max_prefill_attempts
         self.prefill_cost, self.prefill_budget_s = prefill_cost, prefill_budget_s
         self.prefill_chunk_tokens, self.handoff_timeout_s = prefill_chunk_tokens, handoff_timeout_s
@@ -133,8 +133,8 @@ class Engine:
         self.store = None
         if prefix_cache:
             opts = {"device_blocks": 0, "host_blocks": 256, **(prefix_cache if isinstance(prefix_cache, dict) else {})}
-            self.store = PrefixStore(cfg, block_size, dtype=cfg.kv_cache_dtype,
-                                     device=self.prefill.replicated, **opts)
+            self.store = PrefixStore(cfg, block_size, dtype=cfg.kv_cache_dtype, device=self.prefill.replicated,
+                                     layers=self.decode.cache_layers, **opts)
         # the KV link (tests wrap it to inject faults); colocated: nothing crosses a link
         self.link = DevicePutLink(self.decode.rank_devices, count_bytes=not colocated)
         self.timeline = None            # a DeviceSpans: record the prefill compute and KV copies of generate
@@ -217,9 +217,10 @@ class Engine:
         if self.prefill_cost is None and (self.prefill_budget_s is not None or len(self.prefills) > 1):
             self.calibrate_prefill()                  # once, before any thread needs it
         clock = clock or Clock()
+        counts = self.decode.spec_counts.copy()
         sched = DecodeScheduler(self.decode, max_prefill_attempts=self.max_prefill_attempts,
                                 handoff_timeout_s=self.handoff_timeout_s, checksum=checksum, trace=[])
-        run = _Run(self, sched, clock, on_token)
+        run = EngineRun(self, sched, clock, on_token)
         try:
             run.loop.run([Submit(r, r.arrival, options=(True, retention)) for r in reqs if r.error is None])
         finally:
@@ -227,7 +228,8 @@ class Engine:
             sched.abandon()                           # an error escaped: leave no block or slot held
         self._record_stats(reqs, clock, run.signals, sched)
         self.stats.update(worker_restarts=run.restarts, trace=sched.trace,
-                          prefix_insert_errors=[e for w in run.workers for e in w.insert_errors])
+                          prefix_insert_errors=[e for w in run.workers for e in w.insert_errors],
+                          **_spec_stats(*(self.decode.spec_counts - counts)))
         return [r.error if r.error is not None else list(r.output) for r in reqs]
 
     def _requests(self, prompts, max_new_tokens, sampling, stop_tokens, retention, arrival_times) -> list:
@@ -277,6 +279,17 @@ class Engine:
                       "failed": sum(r.error is not None for r in reqs)}
 
 
+def _spec_stats(drafts: int, accepted: int) -> dict:
+    """The speculative-decoding keys of ``engine.stats`` (as ``pdjax.generate``'s stats):
+    ``accept_rate`` (None without drafts), ``tokens_per_step`` (tokens a decode step emitted
+    per running request, before a finished request's overshoot is cut; 1.0 without drafts),
+    ``drafts`` (drafts verified) and ``accepted``."""
+    drafts, accepted = int(drafts), int(accepted)
+    return {"accept_rate": accepted / drafts if drafts else None,
+            "tokens_per_step": (drafts + accepted) / drafts if drafts else 1.0,
+            "drafts": drafts, "accepted": accepted}
+
+
 class PDEngine(Engine):
     """Prefill/decode disaggregation: a prefill pool and a decode pool on disjoint devices,
     layers handed over the KV link. See the module docstring and :class:`Engine`; every
@@ -303,85 +316,3 @@ def _no_colocated_option(name: str, kwargs: dict) -> None:
     if "colocated" in kwargs:
         raise TypeError(f"{name} takes no colocated option: the engine's class says it (PDEngine: "
                         "disjoint pools; ColocatedEngine(params, cfg, devices=...): one pool)")
-
-
-class _Run:
-    """The drivers of one ``generate``: a prefill worker thread per prefill pool (each
-    attempt to the worker predicted to finish it first), the decode loop on the calling
-    thread, and the DOPD signals. A worker that dies (a BaseException escaping its run) fails
-    its attempt and is started again; the request is prefilled again like any failure. An
-    attempt cancelled while its thread runs it (a send that stalls, or never returns) gets
-    the worker a fresh thread for the next jobs; the old one ends when its call returns."""
-
-    def __init__(self, eng: Engine, sched: DecodeScheduler, clock, on_token):
-        self.eng, self.sched, self.clock, self.on_token = eng, sched, clock, on_token
-        self.jobs = [queue.Queue() for _ in eng.prefills]
-        self.workers = [PrefillWorker(pool, eng.link, clock, store=eng.store, chunk=eng._chunker(pool),
-                                      step_lock=eng._pool_lock, timeline=eng.timeline) for pool in eng.prefills]
-        self.signals = Signals(eng.link_bandwidth_Bps, lambda: sum(q.qsize() for q in self.jobs) + len(sched.waiting),
-                               clock)
-        self.loop = DecodeLoop(sched, eng.decode, clock, self.carry, step_lock=eng._pool_lock,
-                               on_event=self._observe, on_turn=self.signals.sample)
-        self.free_at = [0.0] * len(self.jobs)
-        self.assigned: dict = {}                  # (request, attempt) -> worker
-        self.restarts = 0
-        self._stop = threading.Event()
-        self.generation = [0] * len(self.workers)  # a worker's current thread; older ones end
-        self.running: list = [None] * len(self.workers)   # (request, attempt) its thread runs
-        self.threads = [self._start(w) for w in range(len(self.workers))]
-
-    def _start(self, w: int) -> threading.Thread:
-        self.generation[w] += 1
-        self.running[w] = None
-        t = threading.Thread(target=self._work, args=(w, self.generation[w]), daemon=True)
-        t.start()
-        return t
-
-    def _work(self, w: int, generation: int) -> None:
-        worker, jobs = self.workers[w], self.jobs[w]
-        while not self._stop.is_set() and self.generation[w] == generation:
-            try:
-                job = jobs.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            self.running[w] = (job.request, job.attempt)
-            try:
-                worker.run(job, self.loop.post)
-            except BaseException as e:  # noqa: BLE001 - the worker died: the loop restarts it
-                self.loop.post(functools.partial(self._died, w, generation, job, e))
-                return
-            finally:
-                if self.generation[w] == generation:
-                    self.running[w] = None
-
-    def _died(self, w: int, generation: int, job: PrefillJob, error: BaseException, loop: DecodeLoop) -> None:
-        if generation == self.generation[w]:      # (an abandoned thread was replaced already)
-            self.restarts += 1
-            self.threads[w] = self._start(w)
-        loop.handle(Failed(job.request, job.attempt, f"the prefill worker died: {type(error).__name__}: {error}",
-                           self.clock.now()))
-
-    def carry(self, actions) -> None:
-        for a in actions:
-            if isinstance(a, StartPrefill):
-                w = self.eng._pick_worker(a.attempt.request, self.free_at, self.clock.now())
-                self.assigned[(a.attempt.request.index, a.attempt.number)] = w
-                self.jobs[w].put(PrefillJob.of(a.attempt))
-            elif isinstance(a, CancelPrefill):
-                w = self.assigned.pop((a.request, a.attempt))
-                self.workers[w].cancel(a.request, a.attempt)
-                if self.running[w] == (a.request, a.attempt):   # its thread may be held in a send
-                    self.threads[w] = self._start(w)
-            elif isinstance(a, Admitted):
-                self.signals.kv_waits.append(a.request.kv_wait_s)
-            elif isinstance(a, Token) and self.on_token is not None:
-                self.on_token(a.request.index, a.token)
-
-    def _observe(self, event) -> None:
-        if isinstance(event, LayerArrived):
-            self.signals.bytes += event.nbytes
-
-    def stop(self) -> None:
-        self._stop.set()
-        for t in self.threads:
-            t.join(timeout=60)

@@ -25,7 +25,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from pdjax.compilation import announce
 from pdjax.model_config import ModelConfig
 from pdjax.disagg.sampling import sample
-from pdjax.model.transformer import embed, head, layer
+from pdjax.model import mtp
+from pdjax.model.dots import logits_of
+from pdjax.model.transformer import embed, final_hidden, head, layer
 from pdjax.parallel.ep import ExpertParallel
 from pdjax.parallel.mesh import make_mesh, shard_params
 
@@ -49,6 +51,17 @@ def _layer_cached(lp, cfg, x, q_pos, kv, start, valid, moe_impl, out):
     ``start`` filled): the chunk's rows are written at ``start`` (kv is donated: in place) and
     it attends causally."""
     return _placed(layer(lp, cfg, x, q_pos, kv, start, moe_impl=moe_impl, valid_BT=valid), out)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "moe_impl", "out"), donate_argnames=("kv",))
+def _mtp_layer(heads, cfg, x, follow, q_pos, kv, start, valid, last, moe_impl, out):
+    """MTP depth 1 over a chunk: from the main model's last-layer states ``x`` and the tokens
+    that follow each position, its rows (a fresh [1, Tb, C+R] when ``kv`` is None, else
+    written into ``kv`` at ``start``, donated) and its greedy draft at chunk row ``last``."""
+    g1, kv = mtp.depth_block(heads[mtp.MTP][0], cfg, embed(heads, follow, cfg), final_hidden(heads, cfg, x), q_pos,
+                             layer, kv, start, moe_impl=moe_impl, valid_BT=valid)
+    draft = jnp.argmax(logits_of(heads, g1[:, last]), axis=-1).astype(jnp.int32)
+    return _placed((draft, kv), out)
 
 
 @functools.partial(jax.jit, static_argnames=("size",))
@@ -97,12 +110,18 @@ def _flush(sends: list, push) -> None:
 
 
 class PrefillPool:
-    def __init__(self, params, cfg: ModelConfig, devices, mesh_axes: dict):
-        self.cfg = cfg
+    """``speculative="mtp"``: after the prompt, the MTP module (depth 1) runs over it too
+    (each position with the token after it, the last with the first generated token): its
+    rows are pushed as one more layer (index ``num_hidden_layers``) and its draft of the
+    second generated token is left in ``req.mtp_draft``."""
+
+    def __init__(self, params, cfg: ModelConfig, devices, mesh_axes: dict, speculative: str | None = None):
+        self.cfg, self.speculative = cfg, speculative
         self.mesh = make_mesh(mesh_axes, devices)
         self.size = math.prod(self.mesh.shape.values())
         self.ep = ExpertParallel(self.mesh) if "expert" in self.mesh.axis_names else None
         self.params = shard_params(params, cfg, self.mesh)
+        self.heads = {k: self.params[k] for k in ("embed", "final_norm", "lm_head", mtp.MTP) if k in self.params}
         self.replicated = NamedSharding(self.mesh, P())
         self._warm: set = set()          # the (program, shapes) this pool has run: compiled
         # per thread (an abandoned run may still be finishing while a new one starts): the
@@ -136,7 +155,8 @@ class PrefillPool:
         """Prefill ``req``; call ``push(layer, rows, start)`` with each layer's latent rows
         [q, C+R] for prompt positions start..start+q-1 right after that layer is dispatched
         (the first chunk's rows include a cached prefix's: the decode side needs them all).
-        Returns (first generated token, per layer the rows of the whole prompt [T, C+R]).
+        Returns (first generated token, per layer the rows of the whole prompt [T, C+R]; with
+        ``speculative``, the MTP layer's last).
 
         ``prefix``: (P, iterator of (layer, rows [P, C+R]) on this pool's devices) for a
         cached prefix of P tokens: only the remaining T - P tokens are computed, each layer
@@ -164,6 +184,10 @@ class PrefillPool:
     def _run(self, req, push, prefix, timeline, chunk, step_lock, chunk_times):
         T = len(req.prompt)
         P, loaded = prefix if prefix else (0, None)
+        # speculative: the cached MTP row of the prefix's last position was made with the
+        # token after it in the prompt that stored it; the main model reruns that position
+        # (its state feeds the MTP layer) and the MTP layer rewrites the row
+        P -= bool(self.speculative and P)
         plan = chunk_plan(T, P, chunk)
         req.prefill_chunks = [q for _, q in plan]
         sends: list = []                                 # a locked chunk's pushes, made after it
@@ -179,10 +203,11 @@ class PrefillPool:
             if chunk_times is not None:
                 x.block_until_ready()
                 chunk_times.append(time.perf_counter() - t0)
-            return self._first_token(req, x, T - 1), rows
+            return self._finish(req, [(0, T, x)], rows, None, send, step_lock, sends, push)
         size = max(pos + bucket(q, self.size) for pos, q in plan)
         size = bucket(size, self.size)
         kvs = [None] * len(self.params["layers"])
+        xs = []
         for pos, q in plan:
             t0 = time.perf_counter()
             with step_lock:
@@ -191,7 +216,40 @@ class PrefillPool:
                     x.block_until_ready()
                     chunk_times.append(time.perf_counter() - t0)
             _flush(sends, push)
-        return self._first_token(req, x, plan[-1][1] - 1), [kv[0, :T] for kv in kvs]
+            xs.append((pos, q, x))
+        return self._finish(req, xs, [kv[0, :T] for kv in kvs], size, send, step_lock, sends, push, loaded)
+
+    def _finish(self, req, xs, rows, size, send, step_lock, sends, push, loaded=None):
+        """(first token, rows) of a prefill whose chunks' last-layer states are ``xs``
+        [(position, tokens, x)]; with ``speculative``, the MTP layer runs over those chunks
+        in order (into a cache of ``size`` rows, or fresh for one unchunked pass; a cached
+        prefix's MTP rows, the last layer ``loaded`` delivers, in front), its rows sent (the
+        first chunk's with the prefix's) and appended to ``rows``, its draft left in
+        ``req.mtp_draft``."""
+        first = self._first_token(req, xs[-1][2], xs[-1][1] - 1)
+        if not self.speculative:
+            return first, rows
+        follow = list(req.prompt[1:]) + [first]
+        L, kv = self.cfg.num_hidden_layers, None
+        if loaded is not None:
+            layer_idx, prefix_rows = next(loaded)
+            assert layer_idx == L, (layer_idx, L)
+            kv = self._program(("prefix", prefix_rows.shape, size), _cache_buffer, prefix_rows, size)
+        elif size is not None:
+            kv = jnp.zeros((1, size, self.cfg.kv_latent_dim), self.params["embed"].dtype, device=self.replicated)
+        for i, (pos, q, x) in enumerate(xs):
+            tokens, q_pos, valid = self._inputs(follow, pos, q)
+            start = None if kv is None else self._put(np.array([pos], np.int32))
+            with step_lock:
+                draft, out = self._program(("mtp", x.shape, None if kv is None else kv.shape), _mtp_layer,
+                                           self.heads, self.cfg, x, tokens, q_pos, kv, start, valid, q - 1,
+                                           self.ep, self.replicated)
+                lo = 0 if i == 0 else pos
+                send(L, out[0, lo:pos + q] if kv is not None else out[0, :q], lo)
+            _flush(sends, push)
+            kv = None if kv is None else out           # (an unchunked pass has one chunk)
+        req.mtp_draft = int(np.asarray(draft)[0])
+        return first, rows + [out[0, :len(req.prompt)]]
 
     def _chunk(self, prompt, pos: int, q: int, P: int, kvs: list, size: int, loaded, send, timeline):
         """Prompt positions pos..pos+q-1 through every layer, each continuing its cache

@@ -84,13 +84,15 @@ class PrefixStore:
     blocks (0 disables a tier); ``disk_dir``: where the disk tier's directory is made
     (required when ``disk_blocks`` > 0); ``retention``: ``{class: ttl_seconds}``;
     ``clock``: seconds, injectable for tests; ``dtype``: the dtype of the rows (the latent cache's);
-    ``device``: where device-tier blocks live. Thread-safe (one lock around the index).
+    ``device``: where device-tier blocks live; ``layers``: the layers a block holds (default
+    L; a speculative engine's L + 1, the MTP layer's rows last). Thread-safe (one lock
+    around the index).
     """
 
     def __init__(self, cfg: ModelConfig, block_size: int, *, device_blocks: int, host_blocks: int,
                  disk_dir: Optional[str] = None, disk_blocks: int = 0,
                  retention: Optional[dict] = None, clock: Callable[[], float] = time.time,
-                 dtype=jnp.float32, device=None):
+                 dtype=jnp.float32, device=None, layers: Optional[int] = None):
         check_block_size(block_size)
         if retention is None:
             retention = {"chat": 7 * DAY, "agent": 3 * DAY}
@@ -103,7 +105,8 @@ class PrefixStore:
         if disk_blocks and disk_dir is None:
             raise ValueError(f"disk_blocks={disk_blocks} needs a disk_dir")
         self.cfg, self.block_size = cfg, int(block_size)
-        self.num_layers, self.width = cfg.num_hidden_layers, cfg.kv_latent_dim
+        self.num_layers = cfg.num_hidden_layers if layers is None else layers
+        self.width = cfg.kv_latent_dim
         self.dtype = np.dtype(jnp.dtype(dtype))      # "bfloat16" etc. by name too
         self.device = device if device is not None else jax.devices()[0]
         self.clock = clock

@@ -62,6 +62,7 @@ class Request:
     predicted_prefill_s: Optional[float] = None
     prefill_chunks: list = dataclasses.field(default_factory=list)
     handoff_timeouts: int = 0
+    mtp_draft: Optional[int] = None    # speculative decoding: the prefill's MTP draft of token 2
 
     @property
     def done(self) -> bool:

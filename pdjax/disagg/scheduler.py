@@ -112,8 +112,9 @@ class Tick:
 
 @dataclasses.dataclass(frozen=True)
 class Stepped:
-    """A decode step's new token per running slot, or the :class:`RequestError` that ends
-    the slot's request (its step failed; the other slots' tokens stand)."""
+    """A decode step's new token per running slot (a tuple of tokens, in order, where a step
+    emits several: speculative decoding), or the :class:`RequestError` that ends the slot's
+    request (its step failed; the other slots' tokens stand)."""
     tokens: dict
     t: float
 
@@ -225,7 +226,8 @@ class DecodeScheduler:
                     res.request.error = tok
                     self.pool.release(slot)
                     self._end(res.request, event.t, out)
-                elif self._emit(res.request, tok, event.t, out):
+                elif any(self._emit(res.request, t, event.t, out)      # (stops at the one that ends it)
+                         for t in (tok if isinstance(tok, tuple) else (tok,))):
                     self.pool.release(slot)
         else:
             self._progress(event, out)

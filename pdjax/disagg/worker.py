@@ -81,6 +81,8 @@ class PrefillWorker:
                                           Compiling(job.request, job.attempt, active, self.clock.now())))
             info = {"prefix_hit_tokens": req.prefix_hit_tokens, "prefix_errors": list(req.prefix_errors),
                     "prefill_chunks": list(req.prefill_chunks)}
+            if req.mtp_draft is not None:
+                info["mtp_draft"] = req.mtp_draft
             emit(Ready(job.request, job.attempt, tok, self.clock.now(), info, checksums_to_host(sums)))
         except Cancelled:
             return

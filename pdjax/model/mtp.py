@@ -37,6 +37,19 @@ MTP = "mtp"
 _FOLD = 0x4D5450            # the init key of the MTP modules: folded from the params' key
 
 
+def check_speculative(params, cfg: ModelConfig, speculative) -> None:
+    """Raise ValueError unless ``speculative`` is None, or "mtp" with an MTP module in the
+    config (``num_nextn_predict_layers`` >= 1) and in ``params``: before any compute."""
+    if speculative is None:
+        return
+    if speculative != "mtp":
+        raise ValueError(f"speculative must be None or 'mtp', got {speculative!r}")
+    if not getattr(cfg, "num_nextn_predict_layers", 0) or not isinstance(params, dict) or not params.get(MTP):
+        raise ValueError("speculative='mtp' needs an MTP module: cfg.num_nextn_predict_layers >= 1 and "
+                         f"params['{MTP}'] (this config has num_nextn_predict_layers="
+                         f"{getattr(cfg, 'num_nextn_predict_layers', None)})")
+
+
 def mtp_weights(cfg: ModelConfig, key, dtype, layer_weights) -> list:
     """The MTP modules' weights with their logical axes (``layer_weights(cfg, index, key,
     dtype)`` makes a decoder layer's); [] when ``cfg.num_nextn_predict_layers`` is 0. Made

@@ -138,10 +138,7 @@ def generate(params, cfg: ModelConfig, prompts, *, max_new_tokens: int, max_len:
     prompt + ``max_new_tokens`` + 2 (a step writes one row past what it keeps, and a finished
     row one more); default exactly that."""
     check_int("max_new_tokens", max_new_tokens)
-    if not getattr(cfg, "num_nextn_predict_layers", 0):
-        raise ValueError("speculative='mtp' needs an MTP module: cfg.num_nextn_predict_layers >= 1 and "
-                         f"params['{mtp.MTP}'] (this config has num_nextn_predict_layers="
-                         f"{getattr(cfg, 'num_nextn_predict_layers', None)})")
+    mtp.check_speculative(params, cfg, "mtp")
     check_layers(params, cfg, None, moe_impl)              # params["mtp"] included
     tokens, lengths, ragged = pad_prompts(cfg, prompts)
     need = int(lengths.max()) + max_new_tokens + 2

@@ -149,14 +149,16 @@ def view_bucket(tokens: int, block_size: int, blocks_per_slot: int) -> int:
 
 def init_paged_cache(cfg: ModelConfig, *, slots: int, num_blocks: int, block_size: int,
                      blocks_per_slot: int, dtype=None, mesh: Mesh | None = None,
-                     axes: tuple = ()) -> PagedCache:
+                     axes: tuple = (), layers: int | None = None) -> PagedCache:
     """An empty paged cache: ``num_blocks`` blocks per rank (block 0 is scratch), ``slots``
     decode slots each addressing up to ``blocks_per_slot`` blocks. With a mesh, the pools and
     slots are split over ``axes`` (the DP attention ranks). ``dtype``: default
-    ``cfg.kv_cache_dtype``."""
+    ``cfg.kv_cache_dtype``. ``layers``: pools to hold (default ``cfg.num_hidden_layers``; the
+    MTP layer of speculative decoding adds one, addressed by the same block tables)."""
     dtype = cfg.kv_cache_dtype if dtype is None else dtype_name(dtype, "init_paged_cache dtype")
+    layers = cfg.num_hidden_layers if layers is None else layers
     for name, v in (("slots", slots), ("num_blocks", num_blocks), ("block_size", block_size),
-                    ("blocks_per_slot", blocks_per_slot)):
+                    ("blocks_per_slot", blocks_per_slot), ("layers", layers)):
         check_int(name, v)
     if num_blocks < 2:
         raise ValueError(f"num_blocks must be >= 2 (block 0 is scratch), got {num_blocks}")
@@ -167,7 +169,7 @@ def init_paged_cache(cfg: ModelConfig, *, slots: int, num_blocks: int, block_siz
         raise ValueError(f"blocks_per_slot*block_size={blocks_per_slot * block_size} exceeds "
                          f"max_position_embeddings={cfg.max_position_embeddings}")
     pools = tuple(jnp.zeros((ranks, num_blocks, block_size, cfg.kv_latent_dim), dtype)
-                  for _ in range(cfg.num_hidden_layers))
+                  for _ in range(layers))
     cache = PagedCache(pools, jnp.zeros((slots, blocks_per_slot), jnp.int32),
                        jnp.zeros((slots,), jnp.int32), mesh, tuple(axes))
     if mesh is not None:

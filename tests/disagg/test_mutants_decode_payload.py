@@ -46,7 +46,7 @@ def test_the_layer_index_and_the_payload_type(pool, res):
     for layer in (0, L - 1, np.int32(1)):
         pool.check_payload(res, layer, _rows(pool, res, 1), 0)
     for layer in (-1, L, 1.0):
-        _refused(pool, res, layer, _rows(pool, res, 1), 0, rf"no such layer \(the model has {L}\)")
+        _refused(pool, res, layer, _rows(pool, res, 1), 0, rf"no such layer \(the pool caches {L} layers\)")
     _refused(pool, res, 0, np.ones((1, pool.cfg.kv_latent_dim), np.float32), 0, "payload is a ndarray, not a jax.Array")
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import pdjax
+from mtp_models import perfect_drafter
 from pdjax.model import mla, mtp
 from pdjax.model import transformer as tfm
 from pdjax.param_counts import param_counts
@@ -106,25 +107,11 @@ def test_bad_input_is_refused_naming_the_problem(cfg, params, tokens, call, matc
 PROMPTS = [[5, 9, 200, 31, 7, 7, 64], [3], [250, 1, 2, 3]]
 
 
-def _perfect_drafter(cfg, params):
-    """A model whose next token depends on the current one only (attention off, embedding
-    rows of unit RMS) and an MTP depth that is a copy of its one layer reading the next
-    token's embedding: every draft is what the model says next."""
-    cfg = cfg.replace(num_hidden_layers=1, first_k_dense_replace=0)
-    p = pdjax.init_params(cfg, jax.random.key(1))
-    emb = p["embed"] / jnp.sqrt(jnp.mean(p["embed"] ** 2, -1, keepdims=True))
-    layer = dict(p["layers"][0], attn=dict(p["layers"][0]["attn"], wo=jnp.zeros_like(p["layers"][0]["attn"]["wo"])))
-    D = cfg.hidden_size
-    depth = dict(p["mtp"][0], layer=layer, head_norm=p["final_norm"],
-                 eh_proj=jnp.concatenate([jnp.eye(D), jnp.zeros((D, D))]))
-    return cfg, dict(p, embed=emb, layers=[layer], mtp=[depth])
-
-
 def test_mtp_drafts_change_nothing_in_the_tokens(cfg, params):
     """A random MTP module (every draft rejected: the stale row of each step is overwritten),
     a perfect one (every draft accepted: two tokens a step), and a perturbed perfect one
     (some of each): always plain greedy's tokens, ragged prompts included."""
-    pcfg, perfect = _perfect_drafter(cfg, params)
+    pcfg, perfect = perfect_drafter(cfg)
     noisy = dict(perfect, mtp=[dict(perfect["mtp"][0], head_norm=perfect["final_norm"]
                                      * jax.random.uniform(jax.random.key(2), (cfg.hidden_size,), minval=0.0))])
     rates = []
@@ -141,7 +128,7 @@ def test_mtp_drafts_change_nothing_in_the_tokens(cfg, params):
 
 
 def test_a_perfect_drafter_halves_the_decode_steps(cfg, params):
-    pcfg, perfect = _perfect_drafter(cfg, params)
+    pcfg, perfect = perfect_drafter(cfg)
     _, stats = pdjax.generate(perfect, pcfg, [[1, 2, 3]], max_new_tokens=9, speculative="mtp", return_stats=True)
     # the prefill gives token 1, each step two more: 8 more tokens in 4 steps
     assert stats == {"accept_rate": 1.0, "tokens_per_step": 2.0, "steps": 4, "drafts": 4, "near_ties": 0}
@@ -156,35 +143,6 @@ def test_near_ties_are_counted():
     p = dict(p, final_norm=jnp.zeros_like(p["final_norm"]))
     out, stats = pdjax.generate(p, cfg, [[1, 2]], max_new_tokens=5, speculative="mtp", return_stats=True)
     assert out == [[0] * 5] and stats["near_ties"] == 5
-
-
-def test_a_trained_drafter_is_mostly_accepted_and_changes_nothing():
-    """A tiny model trained with the MTP loss on counting sequences (t, t+1, t+2, ... mod V)
-    for a few hundred steps: its drafts are nearly always right, the decode takes about
-    half the steps, and the tokens are plain greedy's."""
-    import optax
-
-    cfg = pdjax.configs.tiny(num_nextn_predict_layers=1)
-    params = pdjax.init_params(cfg, jax.random.key(6))
-    opt = optax.adam(3e-3)
-
-    @jax.jit
-    def step(params, state, key):
-        tokens = (jax.random.randint(key, (16, 1), 0, cfg.vocab_size) + jnp.arange(12)) % cfg.vocab_size
-        loss, grads = jax.value_and_grad(lambda p: pdjax.loss(p, cfg, tokens, mtp_weight=0.3))(params)
-        updates, state = opt.update(grads, state)
-        return optax.apply_updates(params, updates), state, loss
-
-    state = opt.init(params)
-    for key in jax.random.split(jax.random.key(7), 300):
-        params, state, loss = step(params, state, key)
-    assert float(loss) < 0.1
-    prompts = [[(s + j) % cfg.vocab_size for j in range(n)] for s, n in ((3, 5), (100, 2), (250, 7))]
-    want = pdjax.generate(params, cfg, prompts, max_new_tokens=12)
-    assert want[0][:4] == [8, 9, 10, 11]
-    got, stats = pdjax.generate(params, cfg, prompts, max_new_tokens=12, speculative="mtp", return_stats=True)
-    assert stats["near_ties"] == 0 and got == want
-    assert stats["accept_rate"] > 0.9 and stats["steps"] <= 7, stats
 
 
 def test_mtp_logits_match_the_definition_at_every_depth():
