@@ -13,7 +13,7 @@ import math
 import numbers
 from typing import Iterator, Mapping
 
-from pdjax.arguments import ArgumentTypeError, check_int
+from pdjax.arguments import ArgumentTypeError, check_int, check_nonnegative
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -172,3 +172,13 @@ def _validate_kinds(cfg) -> None:
         if rs.original_max_position_embeddings <= 0:
             raise ValueError("ModelConfig.rope_scaling.original_max_position_embeddings must be > 0, "
                              f"got {rs.original_max_position_embeddings}")
+
+
+def check_mtp_weight(mtp_weight, cfg) -> float:
+    """``mtp_weight`` (the MTP loss's weight, DeepSeek-V3's lambda): a finite real >= 0, and
+    > 0 only for a config with MTP modules (``cfg.num_nextn_predict_layers`` > 0). Returns it.
+    The pure check (the cost model of :mod:`pdjax.analysis.pipeline_costs`, and
+    :func:`pdjax.model.loss.check_mtp_weight` for a weight that is not traced)."""
+    if check_nonnegative("mtp_weight", mtp_weight) and not cfg.num_nextn_predict_layers:
+        raise ValueError(f"mtp_weight={mtp_weight!r} needs the MTP modules: cfg.num_nextn_predict_layers is 0")
+    return mtp_weight

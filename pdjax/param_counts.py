@@ -127,6 +127,29 @@ def _router_params(cfg: "ModelConfig") -> int:
     return cfg.n_routed_experts * cfg.hidden_size + bias
 
 
+def layer_params(cfg, layer: int) -> int:
+    """Elements of decoder layer ``layer``'s weights: attention, its two norms, and the dense MLP
+    or the MoE block (routed and shared experts, router), as ``cfg.is_moe_layer(layer)`` says.
+    ``layer`` >= ``num_hidden_layers`` is an MTP module's block (depth ``layer -
+    num_hidden_layers + 1``), built like any other layer of that index."""
+    check_int("layer", layer, 0)
+    d = cfg.hidden_size
+    if not cfg.is_moe_layer(layer):
+        return _attention_params(cfg) + 2 * d + _mlp_params(d, cfg.intermediate_size)
+    expert = _mlp_params(d, cfg.moe_intermediate_size)
+    return (_attention_params(cfg) + 2 * d + (cfg.n_routed_experts + cfg.n_shared_experts) * expert
+            + _router_params(cfg))
+
+
+def mtp_depth_params(cfg, depth: int) -> int:
+    """Elements of MTP depth ``depth``'s weights (1-based): its block (:func:`layer_params` of
+    layer ``num_hidden_layers + depth - 1``), ``eh_proj`` [2D, D] and its three norms
+    (``enorm``, ``hnorm``, ``head_norm``); the embedding and head it shares are not in it."""
+    check_int("depth", depth, 1)
+    d = cfg.hidden_size
+    return layer_params(cfg, cfg.num_hidden_layers + depth - 1) + 2 * d * d + 3 * d
+
+
 def param_counts(cfg: "ModelConfig", mtp_layers: int | None = None) -> ParamCounts:
     """Count the parameters of ``cfg`` by component; see the module docstring for which
     sums reproduce the published totals. ``mtp_layers``: MTP modules to count (default
@@ -142,10 +165,7 @@ def param_counts(cfg: "ModelConfig", mtp_layers: int | None = None) -> ParamCoun
     n_moe, n_dense = len(moe_layers), n_layers - len(moe_layers)
     expert = _mlp_params(d, cfg.moe_intermediate_size) if cfg.n_routed_experts else 0
     attn = _attention_params(cfg)
-    moe_layer = (attn + 2 * d + (cfg.n_routed_experts + cfg.n_shared_experts) * expert
-                 + _router_params(cfg))
-    mtp = mtp_layers * (moe_layer + 2 * d * d + 3 * d) if cfg.n_routed_experts else (
-        mtp_layers * (attn + 2 * d + _mlp_params(d, cfg.intermediate_size) + 2 * d * d + 3 * d))
+    mtp = sum(mtp_depth_params(cfg, k) for k in range(1, mtp_layers + 1))
     embedding = cfg.vocab_size * d
     return ParamCounts(
         embedding=embedding,

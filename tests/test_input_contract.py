@@ -231,6 +231,15 @@ def _other_calls(cfg):
                     "context_len": bad_count(), "ep_size": bad_count().filter(lambda v: v is not None),
                     "bubble_target": bad_real(positive=True)},
                    {"hw": ("hardware",)}),
+        "pipeline_costs": (lambda cfg=cfg, schedule=SCHEDULE, microbatch=(2, 8), layers_per_stage=None, mtp_weight=0.0:
+                           analysis.pipeline_costs(cfg, schedule, microbatch, layers_per_stage=layers_per_stage,
+                                                   mtp_weight=mtp_weight),
+                           {"cfg": st.sampled_from([None, "tiny", SCHEDULE]),
+                            "schedule": st.sampled_from([None, "1f1b", [1, 2], cfg]),
+                            "microbatch": st.sampled_from([None, 16, (0, 16), (2, 1), (2,), "2x16", (2.0, 16),
+                                                           (True, 16), (2, 8, 1)]),
+                            "layers_per_stage": st.sampled_from([[2], [1, 1, 1], 0, "2", [1.5, 1.5], [3, 1]]),
+                            "mtp_weight": st.one_of(bad_real(), st.floats(min_value=1e-6, max_value=1.0))}, {}),
         "WorkloadSpec": (lambda num_requests=4, rate=1.0, think_time=0.0, system_prompts=0, cv=1.0, seed=0:
                          sim.WorkloadSpec(num_requests, rate, think_time=think_time, system_prompts=system_prompts,
                                           cv=cv, seed=seed),
@@ -240,7 +249,7 @@ def _other_calls(cfg):
     }
 
 
-OTHER_ENTRIES = ["build", "simulate", "search", "from_csv", "Executor", "report", "WorkloadSpec"]
+OTHER_ENTRIES = ["build", "simulate", "search", "from_csv", "Executor", "report", "pipeline_costs", "WorkloadSpec"]
 
 
 @pytest.mark.parametrize("entry", OTHER_ENTRIES)

@@ -15,7 +15,8 @@ DeepSeek's inference profiles calibrate), built from
 ``calibration`` (DeepSeek's published kernel measurements), ``kernels`` (kernel times on
 any hardware), ``routing`` (where routed tokens go), ``opmodel`` (a layer's ops),
 ``overlap`` / ``streams`` (micro-batches on streams: the one overlap model), ``memory_fit``
-(the saturation batch), ``profile``
+(the saturation batch), ``pipeline_costs`` (a pipeline schedule's per-stage training FLOPs,
+activations and params from a config, MTP included, for the simulator), ``profile``
 (:func:`read_profile`, PyTorch-profiler traces), ``train_pair`` (a DualPipe chunk pair);
 ``validation_set`` holds the independent measurements it is held against.
 See docs/analysis.md for the formulas and the assumptions behind the reference figures
@@ -33,6 +34,7 @@ from pdjax.analysis.hardware import HardwareSpec, hardware, register_hardware
 from pdjax.analysis.kv import (concurrency_bound, free_memory_bytes, handoff_to_prefill_ratio, kv_bytes_per_token,
                                kv_handoff_time)
 from pdjax.analysis.moe_bounds import decode_batch_for_context, ep_weight_bytes_per_gpu
+from pdjax.analysis.pipeline_costs import pipeline_costs
 from pdjax.analysis.profile import read_profile
 from pdjax.analysis.report import report
 from pdjax.analysis.roofline import attention_intensity, machine_balance, weight_intensity
@@ -43,8 +45,8 @@ __all__ = [
     "Deployment", "Efficiency", "HardwareSpec", "RooflineCostModel", "afd_min_microbatches", "afd_speedup",
     "attention_intensity", "bubble_ratio_1f1b", "concurrency_bound", "decode_batch_for_context",
     "ep_weight_bytes_per_gpu", "free_memory_bytes", "handoff_to_prefill_ratio", "hardware", "kv_bytes_per_token",
-    "kv_handoff_time", "machine_balance", "min_microbatches_1f1b", "param_counts", "predict", "read_profile",
-    "register_hardware", "report", "weight_intensity",
+    "kv_handoff_time", "machine_balance", "min_microbatches_1f1b", "param_counts", "pipeline_costs", "predict",
+    "read_profile", "register_hardware", "report", "weight_intensity",
 ]
 
 __getattr__ = lazy_submodules(__name__)

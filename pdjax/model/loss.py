@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pdjax.arguments import check_nonnegative
+from pdjax import model_config_checks
 from pdjax.model_config import ModelConfig
 from pdjax.model import mtp
 from pdjax.model import transformer as tfm
@@ -58,11 +58,7 @@ _loss = jax.jit(loss_core, static_argnames=("cfg", "use_mtp", "moe_impl"))
 def check_mtp_weight(mtp_weight, cfg: ModelConfig):
     """``mtp_weight``: finite and >= 0 (a tracer passes: differentiated or traced over), > 0
     only for a config with MTP modules. Returns it."""
-    if is_tracer(mtp_weight):
-        return mtp_weight
-    if check_nonnegative("mtp_weight", mtp_weight) and not cfg.num_nextn_predict_layers:
-        raise ValueError(f"mtp_weight={mtp_weight!r} needs the MTP modules: cfg.num_nextn_predict_layers is 0")
-    return mtp_weight
+    return mtp_weight if is_tracer(mtp_weight) else model_config_checks.check_mtp_weight(mtp_weight, cfg)
 
 
 def loss(params, cfg: ModelConfig, tokens, *, mtp_weight=0.0, moe_impl=None):

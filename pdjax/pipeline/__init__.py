@@ -14,10 +14,10 @@ notebook. See docs/pipeline.md.
 from pdjax.schedules import (DeadlockError, Layout, Schedule, ScheduleError, SearchResult, Timeline,
                              bubble_formula, build, compare, format_report, formula_conditions, lower_bound,
                              memory_table, plot, search, simulate, stage_costs, validate)
+from pdjax.schedules.layer_split import split_layers
 
 from .measurement import measure_schedule
 from .executor import Executor
-from .stages import split_layers
 from .training import TrainState, train
 
 __all__ = [

@@ -43,6 +43,7 @@ from pdjax.pipeline import multiprocess
 from pdjax.pipeline import stages as st
 from pdjax.pipeline.compiled import CompiledStage, compile_all, compiling, warm_helpers
 from pdjax.pipeline.rank import Rank
+from pdjax.schedules.layer_split import split_layers, stage_chunks
 from pdjax.schedules.ops import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, OverlapFB
 from pdjax.pipeline.step_run import StepRun
 
@@ -99,17 +100,13 @@ class Executor:
         # processes of a jax.distributed launch: :mod:`pdjax.pipeline.multiprocess`
         self.local_ranks = multiprocess.local_ranks(self.ranks)
         self.spanning = None if self.local_ranks is None else multiprocess.Spanning(self, self.local_ranks)
-        self.chunks = st.split_layers(cfg.num_hidden_layers, num_chunks, layers_per_stage)
+        self.chunks = split_layers(cfg.num_hidden_layers, num_chunks, layers_per_stage)
         empty = [c.index for c in self.chunks if c.stop == c.start]
         if empty and layers_per_stage is None:      # said out loud unless the caller chose it
             warnings.warn(f"the {cfg.num_hidden_layers}-layer model splits over {num_chunks} pipeline stages as "
                           f"{self.layer_split()}: stage(s) {empty} hold no transformer layer (pass "
                           "layers_per_stage to choose the split)", UserWarning, stacklevel=2)
-        # stage -> chunk (its position in its pipeline)
-        self.stage_chunk = [0] * schedule.num_stages
-        for pipe in layout.pipelines:
-            for pos, s in enumerate(pipe.stages):
-                self.stage_chunk[s] = pos
+        self.stage_chunk = stage_chunks(layout)     # stage -> chunk (its position in its pipeline)
         self._compiled: dict = {}
         self.last_timeline = None
         self.last_memory = None

@@ -1,9 +1,10 @@
 """The model cut into pipeline stages, and each stage's F / B / I / W programs.
 
 A pipeline of ``L`` stages holds the model in ``L`` *chunks* of consecutive decoder
-layers: chunk 0 also embeds the tokens, chunk ``L-1`` also applies the final norm, the LM
-head and the next-token loss. Every stage runs one chunk (its position in its pipeline),
-so DualPipe's two directions hold two copies of every chunk.
+layers (:mod:`pdjax.schedules.layer_split`): chunk 0 also embeds the tokens, chunk ``L-1``
+also applies the final norm, the LM head and the next-token loss. Every stage runs one
+chunk (its position in its pipeline), so DualPipe's two directions hold two copies of
+every chunk.
 
 Per stage and micro-batch the programs are (``sp`` the chunk's params, ``x`` the stage
 input: token ids [b,T] on chunk 0, hidden states [b,T,D] elsewhere; ``tok`` the
@@ -28,7 +29,6 @@ further back); the embedding's gradient (a scatter-add of it) is part of ``W``.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 
 import jax
@@ -38,44 +38,7 @@ from jax._src import core as jcore
 from pdjax.model_config import ModelConfig
 from pdjax.model import transformer as tfm
 from pdjax.model.loss import mtp_loss_mean, next_token_loss_sum
-
-
-@dataclasses.dataclass(frozen=True)
-class Chunk:
-    """Layers ``[start, stop)`` of the model; ``first`` embeds, ``last`` ends in the loss."""
-
-    index: int
-    start: int
-    stop: int
-    first: bool
-    last: bool
-
-
-def split_layers(num_layers: int, num_chunks: int, layers=None) -> tuple[Chunk, ...]:
-    """Cut ``num_layers`` decoder layers into ``num_chunks`` chunks of consecutive layers.
-
-    ``layers``: the number of layers per chunk (sums to ``num_layers``); default: as even as
-    possible, the earlier chunks taking the remainder. A chunk may hold no layer (it then
-    only embeds, or only ends in the loss, or passes its input on).
-    """
-    if layers is None:
-        q, r = divmod(num_layers, num_chunks)
-        layers = [q + (1 if c < r else 0) for c in range(num_chunks)]
-    if isinstance(layers, (str, bytes)) or not hasattr(layers, "__len__"):
-        raise TypeError(f"layers_per_stage must be a list of {num_chunks} non-negative ints (one per chunk of "
-                        f"the pipeline), got {layers!r}")
-    layers = list(layers)
-    if len(layers) != num_chunks or any(not isinstance(n, int) or n < 0 for n in layers):
-        raise ValueError(f"layers_per_stage must be {num_chunks} non-negative ints (one per chunk of the "
-                         f"pipeline), got {layers}")
-    if sum(layers) != num_layers:
-        raise ValueError(f"layers_per_stage {layers} sums to {sum(layers)}, but the model has "
-                         f"{num_layers} layers")
-    out, at = [], 0
-    for c, n in enumerate(layers):
-        out.append(Chunk(c, at, at + n, c == 0, c == num_chunks - 1))
-        at += n
-    return tuple(out)
+from pdjax.schedules.layer_split import Chunk
 
 
 def chunk_params(params: dict, chunk: Chunk, with_mtp: bool = False) -> dict:
