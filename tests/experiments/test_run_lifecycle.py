@@ -38,6 +38,8 @@ SMALL_SWEEP = ["--set", "sweep.num_stages=[4]", "--set", "sweep.microbatch_multi
      "search.num_microbatches: the dualpipe family alone needs an even number"),
     ("quickstart", ["executed.microbatches=3"], "executed: as a executed_bubbles run, run.schedules: dualpipe"),
     ("quickstart", ['analysis.hardware="h900"'], "analysis.hardware: unknown hardware"),
+    ("mtp_speculative", ["decode.prompt=512", "decode.new_tokens=512"],
+     "decode.prompt: prompt (512) + new_tokens (512) + 2 exceeds the model's max_position_embeddings (1024)"),
 ])
 def test_every_check_runs_before_the_run_directory(tmp_path, capsys, monkeypatch, kind, overrides, message):
     module = runner.EXPERIMENTS[kind].module
