@@ -52,6 +52,14 @@ def deepseek_v3(**overrides) -> ModelConfig:
     return cfg.replace(**overrides) if overrides else cfg
 
 
+def deepseek_v32(**overrides) -> ModelConfig:
+    """DeepSeek-V3.2 (-Exp): DeepSeek-V3 with DeepSeek sparse attention: a lightning indexer
+    of 64 heads of width 128 in every layer picks the 2,048 cached tokens each query attends
+    to (config.json ``index_n_heads``, ``index_head_dim``, ``index_topk``)."""
+    cfg = deepseek_v3(index_n_heads=64, index_head_dim=128, index_topk=2048, model_type="deepseek_v32")
+    return cfg.replace(**overrides) if overrides else cfg
+
+
 def deepseek_v2(**overrides) -> ModelConfig:
     """DeepSeek-V2 (236B total, 21B active), as in its config.json."""
     cfg = ModelConfig(
@@ -82,13 +90,13 @@ def deepseek_v2_lite(**overrides) -> ModelConfig:
     return cfg.replace(**overrides) if overrides else cfg
 
 
-PRESETS = {"tiny": tiny, "small": small, "deepseek_v2_lite": deepseek_v2_lite,
+PRESETS = {"tiny": tiny, "small": small, "deepseek_v2_lite": deepseek_v2_lite, "deepseek_v32": deepseek_v32,
            "deepseek_v2": deepseek_v2, "deepseek_v3": deepseek_v3}
 
 
 def preset(name: str, **overrides) -> ModelConfig:
     """The preset called ``name`` ("tiny", "small", "deepseek_v2_lite", "deepseek_v2",
-    "deepseek_v3"), with ``overrides`` applied; an unknown name raises ValueError."""
+    "deepseek_v3", "deepseek_v32"), with ``overrides`` applied; an unknown name raises ValueError."""
     try:
         return PRESETS[name](**overrides)
     except KeyError:

@@ -81,7 +81,10 @@ class ModelConfig:
     ``qk_rope_head_dim`` R (decoupled RoPE key shared by all heads), ``qk_nope_head_dim``,
     ``v_head_dim``; ``q_lora_rank`` None means a plain q projection (V2-Lite);
     ``num_nextn_predict_layers``: DeepSeek-V3's multi-token-prediction depths
-    (:mod:`pdjax.model.mtp`; 0: none).
+    (:mod:`pdjax.model.mtp`; 0: none). ``index_n_heads``, ``index_head_dim``, ``index_topk``:
+    DeepSeek-V3.2's sparse attention (:mod:`pdjax.model.dsa`; 0: none): a lightning indexer
+    of that many heads and key width picks the ``index_topk`` cached tokens each query
+    attends to.
 
     Precision (pdjax fields, not HF ones; written to and read from ``config.json`` by
     :meth:`to_hf_dict` / :func:`from_hf_dict`). Each is a dtype name; short names ("bf16",
@@ -128,6 +131,9 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     num_nextn_predict_layers: int = 0
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
     model_type: str = "deepseek_v3"
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
@@ -160,8 +166,20 @@ class ModelConfig:
 
     @property
     def kv_latent_dim(self) -> int:
-        """Values cached per token per layer: kv_lora_rank + qk_rope_head_dim."""
+        """Values cached per token per layer: kv_lora_rank + qk_rope_head_dim (the MLA row
+        :attr:`mla_latent_dim`), and the indexer's key (``index_head_dim``) with sparse
+        attention."""
+        return self.mla_latent_dim + self.index_head_dim
+
+    @property
+    def mla_latent_dim(self) -> int:
+        """What MLA reads of a cached row: [RMSNorm(latent) | RoPE(k_pe)], kv_lora_rank + qk_rope_head_dim."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def sparse_attention(self) -> bool:
+        """DeepSeek-V3.2's sparse attention (DSA) is on: ``index_topk`` > 0."""
+        return self.index_topk > 0
 
     @property
     def routed_scaling_always(self) -> bool:
@@ -290,8 +308,8 @@ def from_hf_dict(d: Mapping[str, Any]) -> ModelConfig:
         raise ValueError(f"config.json must hold a JSON object, got {type(d).__name__}")
     d = dict(d)
     model_type = d.get("model_type", "deepseek_v3")
-    if model_type not in ("deepseek_v2", "deepseek_v3"):
-        raise ValueError(f"config.json model_type must be deepseek_v2 or deepseek_v3, got {model_type!r}")
+    if model_type not in ("deepseek_v2", "deepseek_v3", "deepseek_v32"):
+        raise ValueError(f"config.json model_type must be deepseek_v2, deepseek_v3 or deepseek_v32, got {model_type!r}")
     rope_scaling, rope_theta = _hf_rope(d)
     kwargs = {k: v for k, v in d.items() if k in _FIELDS}
     kwargs["model_type"] = model_type
@@ -309,7 +327,7 @@ def from_hf_dict(d: Mapping[str, Any]) -> ModelConfig:
         kwargs["routed_scaling_factor"] = 1.0
     # transformers' DeepseekV3 config has no scoring_func/topk_method: V3 is always
     # sigmoid + noaux_tc; DeepSeek-V2's remote code defaults to softmax + greedy.
-    v3 = model_type == "deepseek_v3"
+    v3 = model_type != "deepseek_v2"
     if kwargs.get("topk_method") is None:
         kwargs["topk_method"] = "noaux_tc" if v3 else "greedy"
     if kwargs.get("scoring_func") is None:

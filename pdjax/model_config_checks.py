@@ -21,7 +21,9 @@ TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
               "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
               "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "n_group", "topk_group",
-              "first_k_dense_replace", "moe_layer_freq", "max_position_embeddings", "num_nextn_predict_layers")
+              "first_k_dense_replace", "moe_layer_freq", "max_position_embeddings", "num_nextn_predict_layers",
+              "index_n_heads", "index_head_dim", "index_topk")
+MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32")
 FLOAT_FIELDS = ("routed_scaling_factor", "rope_theta", "rms_norm_eps")
 BOOL_FIELDS = ("norm_topk_prob", "tie_word_embeddings")
 STR_FIELDS = ("scoring_func", "topk_method", "model_type")
@@ -122,6 +124,24 @@ def validate(cfg) -> None:
     if cfg.n_routed_experts:
         _validate_moe(cfg)
     _validate_kinds(cfg)
+    _validate_dsa(cfg)
+
+
+def _validate_dsa(cfg) -> None:
+    """DeepSeek-V3.2's sparse attention: its three fields all 0 (none) or all positive, with
+    a q LoRA (the indexer's query reads its residual) and a key wide enough for the rope part."""
+    names = ("index_n_heads", "index_head_dim", "index_topk")
+    values = [getattr(cfg, n) for n in names]
+    if any(v < 0 for v in values) or (any(values) and not all(values)):
+        raise ValueError("ModelConfig.index_n_heads, index_head_dim and index_topk (DeepSeek sparse attention) "
+                         f"must be all 0 or all positive, got {dict(zip(names, values))}")
+    if any(values):
+        if cfg.q_lora_rank is None:
+            raise ValueError("ModelConfig.index_topk > 0 (DeepSeek sparse attention) needs q_lora_rank: the "
+                             "indexer's query is projected from the query's LoRA residual")
+        if cfg.index_head_dim < cfg.qk_rope_head_dim:
+            raise ValueError(f"ModelConfig.index_head_dim={cfg.index_head_dim} must be >= qk_rope_head_dim="
+                             f"{cfg.qk_rope_head_dim} (its first qk_rope_head_dim dims are rotated)")
 
 
 def _validate_moe(cfg) -> None:
@@ -161,8 +181,8 @@ def _validate_kinds(cfg) -> None:
         raise ValueError(f"ModelConfig.routed_scaling_factor must be > 0, got {cfg.routed_scaling_factor}")
     if cfg.rope_theta <= 0:
         raise ValueError(f"ModelConfig.rope_theta must be > 0, got {cfg.rope_theta}")
-    if cfg.model_type not in ("deepseek_v2", "deepseek_v3"):
-        raise ValueError(f"ModelConfig.model_type must be 'deepseek_v2' or 'deepseek_v3', got {cfg.model_type!r}")
+    if cfg.model_type not in MODEL_TYPES:
+        raise ValueError(f"ModelConfig.model_type must be one of {MODEL_TYPES}, got {cfg.model_type!r}")
     rs = cfg.rope_scaling
     if rs is not None:
         if rs.rope_type != "yarn":

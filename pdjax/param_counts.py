@@ -115,7 +115,16 @@ def _attention_params(cfg: "ModelConfig") -> int:
     kv = (d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank
           + cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim))
     out = h * cfg.v_head_dim * d
-    return q + kv + out
+    return q + kv + out + _indexer_params(cfg)
+
+
+def _indexer_params(cfg: "ModelConfig") -> int:
+    """DeepSeek-V3.2's lightning indexer (0 without sparse attention): wq_b [Q, Hi*Di],
+    wk [D, Di], its key's LayerNorm (weight and bias) and weights_proj [D, Hi]."""
+    hi, di = getattr(cfg, "index_n_heads", 0), getattr(cfg, "index_head_dim", 0)
+    if not getattr(cfg, "index_topk", 0):
+        return 0
+    return cfg.q_lora_rank * hi * di + cfg.hidden_size * di + 2 * di + cfg.hidden_size * hi
 
 
 def _mlp_params(hidden: int, intermediate: int) -> int:

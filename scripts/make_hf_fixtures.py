@@ -187,6 +187,8 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
                 new = STD_EMBED * torch.randn(p.shape, generator=g)
             elif name.endswith("mlp.gate.weight"):
                 new = STD_ROUTER * torch.randn(p.shape, generator=g)
+            elif name.endswith("norm.bias"):      # a LayerNorm's (DeepSeek-V3.2's indexer key)
+                new = STD_LINEAR * torch.randn(p.shape, generator=g)
             else:
                 assert p.dim() in (2, 3), name
                 new = STD_LINEAR * torch.randn(p.shape, generator=g)

@@ -20,6 +20,7 @@ import numpy as np
 
 from pdjax.model_config import PARAM_DTYPES, ModelConfig, dtype_name, load_hf_config
 # the checks of a checkpoint against its config live in hf_checks; expected_tensors importable here
+from pdjax.model import dsa
 from pdjax.model.checks import check_mesh
 from pdjax.model.hf_checks import (MTP_COPIES, check_checkpoint, expected_tensors, mtp_layers,  # noqa: F401
                                    stored_dtype)
@@ -59,6 +60,8 @@ def _layer_from_hf(cfg: ModelConfig, get, i: int, leaf, stack) -> dict:
     attn["wk_b"] = leaf(lambda: kv_b()[:, :K].transpose(2, 0, 1))
     attn["wv_b"] = leaf(lambda: kv_b()[:, K:].transpose(2, 0, 1))
     attn["wo"] = leaf(lambda: get(s + "o_proj.weight").T.reshape(H, Vh, D))
+    if cfg.sparse_attention:
+        attn["indexer"] = dsa.indexer_from_hf(cfg, get, s + "indexer.", leaf)
     layer = {"attn_norm": leaf(lambda: get(a + "input_layernorm.weight")), "attn": attn,
              "ffn_norm": leaf(lambda: get(a + "post_attention_layernorm.weight"))}
     if cfg.is_moe_layer(i):
@@ -135,6 +138,8 @@ def params_to_tensors(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
         kv_b = np.concatenate([np.asarray(at["wk_b"]), np.asarray(at["wv_b"])], axis=2)  # [C,H,K+V]
         out[s + "kv_b_proj.weight"] = kv_b.transpose(1, 2, 0).reshape(-1, kv_b.shape[0])
         out[s + "o_proj.weight"] = at["wo"].reshape(H * at["wo"].shape[1], D).T
+        if "indexer" in at:
+            out.update(dsa.indexer_to_hf(at["indexer"], s + "indexer."))
         m = a + "mlp."
         if "moe" in lp:
             p = lp["moe"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 from pdjax.model_config import PARAM_DTYPES, ModelConfig
+from pdjax.model import dsa
 from pdjax.model.hf_files import FP8_BLOCK
 
 #: Stored dtypes a weight may have as it is (a param dtype's safetensors name, or float64).
@@ -66,6 +67,8 @@ def _layer_tensors(cfg: ModelConfig, i: int, t: dict) -> None:
     t[s + "kv_a_layernorm.weight"] = (C,)
     t[s + "kv_b_proj.weight"] = (H * (K + Vh), C)
     t[s + "o_proj.weight"] = (D, H * Vh)
+    if cfg.sparse_attention:
+        t.update(dsa.indexer_tensors(cfg, s + "indexer."))
     m = a + "mlp."
     if cfg.is_moe_layer(i):
         F, E = cfg.moe_intermediate_size, cfg.n_routed_experts

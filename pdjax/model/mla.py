@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pdjax.model_config import ModelConfig, yarn_mscale
-from pdjax.model import dots
+from pdjax.model import dots, dsa
 from pdjax.model.initializers import scaled_normal
 from pdjax.model.sharding import declare, values
 
@@ -36,6 +36,7 @@ from pdjax.model.sharding import declare, values
 # q_a_layernorm and kv_a_layernorm are built with the default eps in DeepSeek's reference and
 # in transformers, not config.rms_norm_eps (equal in every published config).
 LATENT_NORM_EPS = 1e-6
+_INDEXER_FOLD = 0x445341        # the sparse-attention indexer's init key, folded from the layer's
 
 
 def rms_norm(x, weight, eps):
@@ -108,12 +109,21 @@ def apply_rope(x, cos, sin):
 
 # ---- projections ----------------------------------------------------------------------
 
-def project_q(p, cfg: ModelConfig, x_BTD, cos, sin):
-    """Queries [B,T,H,K] (no-position part) and [B,T,H,R] (rotated)."""
+def q_residual(p, cfg: ModelConfig, x_BTD):
+    """The query's LoRA residual RMSNorm(x wq_a) [B,T,Q] (None without a q LoRA); the
+    sparse-attention indexer reads it too."""
+    if cfg.q_lora_rank is None:
+        return None
+    return rms_norm(dots.matmul(x_BTD, p["wq_a"]), p["q_norm"], LATENT_NORM_EPS)
+
+
+def project_q(p, cfg: ModelConfig, x_BTD, cos, sin, q_BTQ=None):
+    """Queries [B,T,H,K] (no-position part) and [B,T,H,R] (rotated). ``q_BTQ``: the
+    :func:`q_residual` when already computed."""
     if cfg.q_lora_rank is None:
         q_BTHK = dots.einsum("BTD,DHK->BTHK", x_BTD, p["wq"])
     else:
-        q_BTQ = rms_norm(dots.matmul(x_BTD, p["wq_a"]), p["q_norm"], LATENT_NORM_EPS)
+        q_BTQ = q_residual(p, cfg, x_BTD) if q_BTQ is None else q_BTQ
         q_BTHK = dots.einsum("BTQ,QHK->BTHK", q_BTQ, p["wq_b"])
     q_nope, q_pe = jnp.split(q_BTHK, [cfg.qk_nope_head_dim], axis=-1)
     return q_nope, apply_rope(q_pe, cos, sin)
@@ -145,7 +155,7 @@ def attend_naive(p, cfg: ModelConfig, q_nope, q_pe, kv_BSL, mask_BTS, causal_blo
     ``causal_blocks`` = n > 1 (only for a chunk attending to itself, S == T, causal): query
     block i attends to keys [0, (i+1)T/n) only, skipping the fully masked upper blocks
     ((n-1)/2n of the score and softmax work); the result is the same."""
-    c_BSC, k_pe_BSR = jnp.split(kv_BSL, [cfg.kv_lora_rank], axis=-1)
+    c_BSC, k_pe_BSR = kv_BSL[..., :cfg.kv_lora_rank], kv_BSL[..., cfg.kv_lora_rank:cfg.mla_latent_dim]
     k_nope_BHSK = dots.einsum("BSC,CHK->BHSK", c_BSC, p["wk_b"])
     v_BHSV = dots.einsum("BSC,CHV->BHSV", c_BSC, p["wv_b"])
     k_pe_BSR = k_pe_BSR.astype(k_nope_BHSK.dtype)
@@ -184,7 +194,9 @@ def attend_absorbed(p, cfg: ModelConfig, q_nope, q_pe, kv_BSL, mask_BTS):
     B, T, H, _ = q_nope.shape
     C, N = cfg.kv_lora_rank, T * H
     q_lat_BTHC = dots.einsum("BTHK,CHK->BTHC", q_nope, p["wk_b"])
-    q_BNL = jnp.concatenate([q_lat_BTHC, q_pe.astype(q_lat_BTHC.dtype)], axis=-1).reshape(B, N, -1)
+    # a sparse-attention row also holds the indexer's key: it meets zeros in the query
+    pad = jnp.zeros((B, T, H, kv_BSL.shape[-1] - cfg.mla_latent_dim), q_lat_BTHC.dtype)
+    q_BNL = jnp.concatenate([q_lat_BTHC, q_pe.astype(q_lat_BTHC.dtype), pad], axis=-1).reshape(B, N, -1)
     # The mask and scale are the same in every layer; tied to this layer's queries, the
     # [B,N,S] broadcasts of both stay inside this layer's score fusion (XLA:CPU otherwise
     # shares one materialised [B,N,S] array of each between layers: two more passes apiece).
@@ -234,6 +246,8 @@ def attention_weights(cfg: ModelConfig, key, dtype) -> dict:
     p["wk_b"] = dense(ks[3], (C, H, K), C, ("latent", "heads", None))
     p["wv_b"] = dense(ks[4], (C, H, V), C, ("latent", "heads", None))
     p["wo"] = dense(ks[5], (H, V, D), H * V, ("heads", None, "embed"))
+    if cfg.sparse_attention:                     # DeepSeek-V3.2's indexer, from its own key
+        p["indexer"] = dsa.indexer_weights(cfg, jax.random.fold_in(key, _INDEXER_FOLD), dtype)
     return p
 
 

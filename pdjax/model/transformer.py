@@ -40,7 +40,7 @@ import numpy as np
 
 from pdjax.arguments import check_int
 from pdjax.model_config import ModelConfig
-from pdjax.model import layer_scan, mla
+from pdjax.model import dsa, layer_scan, mla
 from pdjax.model.dots import logits_of
 from pdjax.model import moe as moe_lib
 from pdjax.model.cache import KVCache, host_lengths, remember_lengths, to_cache_dtype, write_rows
@@ -76,8 +76,12 @@ def attention(lp, cfg: ModelConfig, x_BTD, q_pos_BT, kv_layer_BSL=None, start_B=
     """
     p = lp["attn"]
     cos, sin = mla.rope_cos_sin(cfg, q_pos_BT)
-    q_nope, q_pe = mla.project_q(p, cfg, x_BTD, cos, sin)
+    q_res = mla.q_residual(p, cfg, x_BTD)
+    q_nope, q_pe = mla.project_q(p, cfg, x_BTD, cos, sin, q_res)
     new_BTL = mla.project_kv_latent(p, cfg, x_BTD, cos, sin)
+    if cfg.sparse_attention:                     # the indexer's key, cached beside the latent
+        keys = dsa.index_keys(p["indexer"], cfg, x_BTD, cos, sin)
+        new_BTL = jnp.concatenate([new_BTL, keys.astype(new_BTL.dtype)], axis=-1)
     if kv_layer_BSL is None:
         T = x_BTD.shape[1]
         kv = view = new_BTL
@@ -89,6 +93,11 @@ def attention(lp, cfg: ModelConfig, x_BTD, q_pos_BT, kv_layer_BSL=None, start_B=
             kv = view = write_rows(kv_layer_BSL, new_BTL, start_B)
         view = view.astype(x_BTD.dtype)          # stored in the cache dtype, read in the compute dtype
         mask = mla.causal_mask(q_pos_BT, view.shape[1])
+    if cfg.sparse_attention and cfg.index_topk < view.shape[1]:       # else every key is selected
+        scores = dsa.index_scores(p["indexer"], cfg, x_BTD, q_res, cos, sin, view[..., cfg.mla_latent_dim:], mask)
+        if absorbed:                             # read only the selected rows
+            return mla.output_proj(p, dsa.attend_sparse(p, cfg, q_nope, q_pe, view, *dsa.select(cfg, scores))), kv
+        mask = dsa.sparse_mask(cfg, scores, mask)
     if absorbed:
         o = mla.attend_absorbed(p, cfg, q_nope, q_pe, view, mask)
     else:   # a chunk attending only to itself skips the fully masked upper score blocks

@@ -8,7 +8,9 @@ from pdjax.model_config import from_hf_dict
 def test_presets_are_valid_and_hashable(name):
     cfg = pdjax.configs.preset(name)
     assert hash(cfg) == hash(pdjax.configs.preset(name))
-    assert cfg.kv_latent_dim == cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    assert cfg.mla_latent_dim == cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    assert cfg.kv_latent_dim == cfg.mla_latent_dim + cfg.index_head_dim       # the indexer's key with DSA
+    assert cfg.sparse_attention == (name == "deepseek_v32")
 
 
 @pytest.mark.parametrize("changes, field", [

@@ -25,7 +25,7 @@ def test_model_config_defaults_are_the_small_reference_model():
                 first_k_dense_replace=1, moe_layer_freq=1, scoring_func="softmax", topk_method="greedy",
                 norm_topk_prob=False, routed_scaling_factor=1.0, max_position_embeddings=4096,
                 rope_theta=10000.0, rope_scaling=None, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                num_nextn_predict_layers=0,
+                num_nextn_predict_layers=0, index_n_heads=0, index_head_dim=0, index_topk=0,
                 model_type="deepseek_v3", param_dtype="float32", compute_dtype="float32", cache_dtype=None)
     assert dataclasses.asdict(cfg) == want
     assert type(cfg.norm_topk_prob) is bool and cfg.kv_cache_dtype == "float32"
