@@ -13,7 +13,9 @@ C_max, handoff), ``moe_bounds`` (k/E bound, EP weight bytes), ``afd_bounds`` (pi
 deployment predictor: ``deploy`` (:class:`Deployment`, :func:`predict`, and the two factors
 DeepSeek's inference profiles calibrate), built from
 ``calibration`` (DeepSeek's published kernel measurements), ``kernels`` (kernel times on
-any hardware), ``routing`` (where routed tokens go), ``opmodel`` (a layer's ops),
+any hardware), ``routing`` (where routed tokens go), ``layer_gemms`` (a layer's matmuls and
+their shapes, the one description the op model, the training pair and the pipeline costs
+read), ``opmodel`` (a layer's ops),
 ``overlap`` / ``streams`` (micro-batches on streams: the one overlap model), ``memory_fit``
 (the saturation batch), ``pipeline_costs`` (a pipeline schedule's per-stage training FLOPs,
 activations and params from a config, MTP included, for the simulator), ``profile``

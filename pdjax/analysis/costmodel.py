@@ -40,6 +40,7 @@ from typing import Optional, Sequence
 from pdjax.analysis.afd_bounds import afd_exchange_bytes
 from pdjax.analysis.hardware import HardwareLike, hardware
 from pdjax.analysis.kv import kv_bytes_per_token as _kv_bytes_per_token, kv_handoff_time
+from pdjax.analysis.layer_gemms import attention_gemms, weight_elements
 from pdjax.param_counts import param_counts
 from pdjax.analysis.roofline import attention_flops_per_token
 from pdjax.arguments import check_fraction, check_int, check_nonnegative, check_positive
@@ -158,10 +159,9 @@ class RooflineCostModel:
         L = cfg.num_hidden_layers
         self.num_moe_layers = sum(cfg.is_moe_layer(i) for i in range(L))
         self.num_dense_layers = L - self.num_moe_layers
-        # Per-layer parameter counts (elements), all derived from param_counts.
+        # Per-layer parameter counts (elements), derived from param_counts (kv_b: from layer_gemms).
         self._attn = counts.attention // L
-        self._wkv_b = cfg.kv_lora_rank * cfg.num_attention_heads * (cfg.qk_nope_head_dim
-                                                                    + cfg.v_head_dim)
+        self._wkv_b = weight_elements(cfg, [g for g in attention_gemms(cfg, "naive") if g.name == "kv_b"])
         self._mlp = counts.dense_mlp // self.num_dense_layers if self.num_dense_layers else 0
         n_moe = self.num_moe_layers
         self._expert = counts.routed_experts // (n_moe * cfg.n_routed_experts) if n_moe else 0

@@ -2,19 +2,14 @@
 what a micro-batch of a prefill, a decode or a training chunk runs, per op class.
 
 One layer of one micro-batch splits into the four parts DeepSeek overlaps (attention,
-dispatch, MLP, combine). The attention part holds the MLA projections (GEMMs), the
-attention core and the norms, RoPE, casts and routing ("other"); the MLP part the shared
+dispatch, MLP, combine). The attention part holds the MLA projections and the router (GEMMs),
+the attention core and the norms, RoPE, casts and routing ("other"); the MLP part the shared
 expert and the routed experts (GEMMs) and their casts and swiglu ("other"); dispatch and
-combine are the expert all-to-all. GEMM shapes are DeepSeek-V3's (the shapes DeepGEMM
-measured), taken from the config:
-
-    q_a + kv_a   N = q_lora + kv_lora + rope        K = hidden
-    q_b          N = heads (nope + rope)            K = q_lora
-    kv_b         N = heads (nope + v)               K = kv_lora   (prefill: expands every latent)
-    o            N = hidden                         K = heads v
-    absorbed     heads x (N = kv_lora, K = nope) and heads x (N = v, K = kv_lora), BF16 (decode)
-    router       N = experts                        K = hidden, BF16
-    experts      gate-up N = 2 inter, K = hidden;   down N = hidden, K = inter
+combine are the expert all-to-all. The GEMMs and their shapes are the layer's
+(:mod:`pdjax.analysis.layer_gemms`: naive MLA for prefill and training, absorbed for
+decode), each timed by :meth:`KernelModel.gemm` in the weight dtype, or BF16 where
+DeepSeek's recipe keeps it (``Gemm.fp8`` False: the router, the absorbed per-head products,
+the LM head).
 
 Routed experts run grouped: the GPU's expert slots are the groups, each holding
 rows x imbalance / slots rows (rows = tokens x top-k on average; the busiest GPU, which
@@ -27,6 +22,7 @@ import dataclasses
 from typing import Optional, Sequence
 
 from pdjax.analysis.kernels import KernelModel, causal_attention_flops
+from pdjax.analysis.layer_gemms import attention_gemms, dense_mlp_gemms, head_gemms, moe_gemms
 from pdjax.analysis.routing import RouteStats
 from pdjax.model_config import ModelConfig
 
@@ -68,6 +64,20 @@ class LayerParts:
     dense: Part = Part()
 
 
+def gemm_time(km: KernelModel, gemms, rows: dict, weight_dtype: str = "fp8", slots: int = 1) -> float:
+    """Seconds of ``gemms`` (:class:`~pdjax.analysis.layer_gemms.Gemm`) one after another,
+    M = ``rows[gemm.rows]`` each; the routed experts' rows split over ``slots`` expert slots,
+    grouped. In ``weight_dtype``, or BF16 where ``Gemm.fp8`` is False."""
+    t = 0.0
+    for g in gemms:
+        dtype = weight_dtype if g.fp8 else "bf16"
+        if g.rows == "routed":
+            t += km.gemm(rows["routed"] / slots, g.n, g.k, groups=slots, grouped=True, dtype=dtype)
+        else:
+            t += km.gemm(rows[g.rows], g.n, g.k, groups=g.groups, dtype=dtype)
+    return t
+
+
 def attention_part(km: KernelModel, cfg: ModelConfig, *, chunks: Optional[Sequence] = None,
                    decode: Optional[Sequence] = None, weight_dtype: str = "fp8", moe: bool = True,
                    training: bool = False) -> Part:
@@ -75,21 +85,15 @@ def attention_part(km: KernelModel, cfg: ModelConfig, *, chunks: Optional[Sequen
     MLA form (every latent expanded by kv_b, FlashAttention over them). Decode: ``decode``
     [(q tokens, kv length)] per request, the absorbed form (FlashMLA over the latent cache)."""
     H, C, R = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    nope, v = cfg.qk_nope_head_dim, cfg.v_head_dim
     reqs = chunks if chunks is not None else decode
     T = sum(q for q, _ in reqs)
-    q_rank = cfg.q_lora_rank or 0
-    g = km.gemm(T, q_rank + C + R, cfg.hidden_size, dtype=weight_dtype)
-    if q_rank:
-        g += km.gemm(T, H * (nope + R), q_rank, dtype=weight_dtype)
-    g += km.gemm(T, cfg.hidden_size, H * v, dtype=weight_dtype)
-    if moe:
-        g += km.gemm(T, cfg.n_routed_experts, cfg.hidden_size, dtype="bf16")
+    gemms = attention_gemms(cfg, "naive" if chunks is not None else "absorbed")
+    gemms += tuple(x for x in moe_gemms(cfg) if x.block == "router") if moe else ()
     if chunks is not None:
-        g += km.gemm(sum(q + c for q, c in chunks), H * (nope + v), C, dtype=weight_dtype)
+        g = gemm_time(km, gemms, {"token": T, "attended": sum(q + c for q, c in chunks)}, weight_dtype)
         core = km.attention_prefill(causal_attention_flops(cfg, chunks))
     else:
-        g += km.gemm(T, C, nope, groups=H, dtype="bf16") + km.gemm(T, v, C, groups=H, dtype="bf16")
+        g = gemm_time(km, gemms, {"token": T}, weight_dtype)
         flops = sum(2.0 * H * (2 * C + R) * q * (kv + q) for q, kv in decode)
         kv_bytes = sum(kv + q for q, kv in decode) * (C + R) * 2
         core = km.attention_decode(flops, kv_bytes)
@@ -99,22 +103,16 @@ def attention_part(km: KernelModel, cfg: ModelConfig, *, chunks: Optional[Sequen
 def moe_parts(km: KernelModel, cfg: ModelConfig, tokens: int, *, ep: int, slots: int, imbalance: float,
               weight_dtype: str = "fp8", training: bool = False) -> tuple[Part, Part]:
     """(shared expert, routed experts) of one MoE layer for ``tokens`` tokens on this GPU."""
-    inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
-    local = slots // ep
-    rows = tokens * cfg.num_experts_per_tok * imbalance / local
-    routed = (km.gemm(rows, 2 * inter, hidden, groups=local, grouped=True, dtype=weight_dtype)
-              + km.gemm(rows, hidden, inter, groups=local, grouped=True, dtype=weight_dtype))
-    shared = 0.0
-    if cfg.n_shared_experts:
-        si = inter * cfg.n_shared_experts
-        shared = km.gemm(tokens, 2 * si, hidden, dtype=weight_dtype) + km.gemm(tokens, hidden, si, dtype=weight_dtype)
+    gemms = moe_gemms(cfg)
+    rows = {"token": tokens, "routed": tokens * cfg.num_experts_per_tok * imbalance}
+    shared = gemm_time(km, [g for g in gemms if g.block == "shared"], rows, weight_dtype)
+    routed = gemm_time(km, [g for g in gemms if g.block == "routed"], rows, weight_dtype, slots=slots // ep)
     return Part(gemm=shared), Part(gemm=routed, other=km.other(tokens, training) / 2)
 
 
 def dense_part(km: KernelModel, cfg: ModelConfig, tokens: int, weight_dtype: str = "fp8") -> Part:
     """The dense MLP of one of the first ``first_k_dense_replace`` layers."""
-    inter, hidden = cfg.intermediate_size, cfg.hidden_size
-    g = km.gemm(tokens, 2 * inter, hidden, dtype=weight_dtype) + km.gemm(tokens, hidden, inter, dtype=weight_dtype)
+    g = gemm_time(km, dense_mlp_gemms(cfg), {"token": tokens}, weight_dtype)
     return Part(gemm=g, other=km.other(tokens) / 2)
 
 
@@ -144,4 +142,4 @@ def a2a_parts(km: KernelModel, cfg: ModelConfig, tokens: int, *, ep: int, stats:
 
 def lm_head_part(km: KernelModel, cfg: ModelConfig, tokens: int) -> Part:
     """Final norm and the BF16 LM head for ``tokens`` sampled positions."""
-    return Part(gemm=km.gemm(tokens, cfg.vocab_size, cfg.hidden_size, dtype="bf16"))
+    return Part(gemm=gemm_time(km, head_gemms(cfg), {"token": tokens}))

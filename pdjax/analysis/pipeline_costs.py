@@ -12,7 +12,8 @@ consecutive decoder layers (:mod:`pdjax.schedules.layer_split`; ``layers_per_sta
 there), chunk 0 with the embedding, the last chunk with the final norm, the LM head and the
 loss. Every amount is per micro-batch of ``microbatch = (rows, seq_len)`` tokens:
 
-* FLOPs: 2 per multiply-add of every matmul, plus the causal attention core
+* FLOPs: 2 per multiply-add of every matmul (:mod:`pdjax.analysis.layer_gemms`, the naive
+  MLA form), plus the causal attention core
   (:func:`pdjax.analysis.kernels.causal_attention_flops`); norms, softmax and activation
   functions are not counted, nor is the embedding (a row lookup). The backward is the
   forward's matmuls twice (input gradients, and weight gradients ``W`` = the forward's
@@ -46,6 +47,7 @@ import dataclasses
 import numpy as np
 
 from pdjax.analysis.kernels import causal_attention_flops
+from pdjax.analysis.layer_gemms import head_gemms, layer_gemms, matmul_flops, mtp_gemms
 from pdjax.arguments import check_int, check_positive
 from pdjax.model_config_checks import check_mtp_weight
 from pdjax.param_counts import layer_params
@@ -75,36 +77,30 @@ class StageTerm:
         return StageTerm(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
 
 
-def _work(matmul_flops: float, attention_flops: float, held_bytes: float, param_bytes: float) -> StageTerm:
+def _work(matmul: float, attention: float, held_bytes: float, param_bytes: float) -> StageTerm:
     """A term from its forward matmul FLOPs ``M`` and attention-core FLOPs ``A``: F = M + A,
     B = 2 M + 2 A, W = M."""
-    m, a = float(matmul_flops), float(attention_flops)
+    m, a = float(matmul), float(attention)
     return StageTerm(m + a, 2 * m + 2 * a, m, float(held_bytes), float(param_bytes))
 
 
-def _attention(cfg, seq_len: int) -> tuple[list, int]:
-    """MLA's matmuls ``[(K, N)]`` per token and the elements it holds per token."""
+def _attention_held(cfg, seq_len: int) -> int:
+    """The elements MLA holds per token: the layer input and its normed copy, q's latent and
+    its normed copy, the kv latent (with the rope key) and its normed copy, q, k, v, the
+    probabilities and the attention output."""
     D, H, C, R = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     ql, dqk, dv = cfg.q_lora_rank or 0, cfg.qk_head_dim, cfg.v_head_dim
-    q = [(D, ql), (ql, H * dqk)] if ql else [(D, H * dqk)]
-    mm = q + [(D, C + R), (C, H * (cfg.qk_nope_head_dim + dv)), (H * dv, D)]
-    # the layer input and its normed copy, q's latent and its normed copy, the kv latent (with
-    # the rope key) and its normed copy, q, k, v, the probabilities and the attention output
-    held = 2 * D + 2 * ql + (C + R) + C + 2 * H * dqk + H * dv + H * seq_len + H * dv
-    return mm, held
+    return 2 * D + 2 * ql + (C + R) + C + 2 * H * dqk + H * dv + H * seq_len + H * dv
 
 
-def _ffn(cfg, layer: int) -> tuple[list, int]:
-    """The dense MLP's or the MoE block's matmuls per token (the routed experts a token
-    uses) and the elements it holds per token."""
+def _ffn_held(cfg, layer: int) -> int:
+    """The elements the dense MLP or the MoE block holds per token (the routed experts a
+    token uses)."""
     D = cfg.hidden_size
     if not cfg.is_moe_layer(layer):
-        inter = cfg.intermediate_size
-        return [(D, 2 * inter), (inter, D)], 2 * D + 3 * inter
+        return 2 * D + 3 * cfg.intermediate_size
     mi, k, shared = cfg.moe_intermediate_size, cfg.num_experts_per_tok, cfg.n_shared_experts * cfg.moe_intermediate_size
-    mm = [(D, cfg.n_routed_experts)] + k * [(D, 2 * mi), (mi, D)] + [(D, 2 * shared), (shared, D)]
-    held = 2 * D + cfg.n_routed_experts + k * (D + 3 * mi) + 3 * shared
-    return mm, held
+    return 2 * D + cfg.n_routed_experts + k * (D + 3 * mi) + 3 * shared
 
 
 def _bytes(dtype: str) -> int:
@@ -115,11 +111,10 @@ def layer_term(cfg, layer: int, rows: int, seq_len: int) -> StageTerm:
     """Decoder layer ``layer`` (>= ``num_hidden_layers``: an MTP depth's block) on ``rows``
     sequences of ``seq_len`` tokens (see the module docstring)."""
     n = rows * seq_len
-    attn, held_a = _attention(cfg, seq_len)
-    ffn, held_f = _ffn(cfg, layer)
-    matmul = n * sum(2 * k * m for k, m in attn + ffn)
+    matmul = matmul_flops(cfg, layer_gemms(cfg, layer, "naive"), n)
+    held = _attention_held(cfg, seq_len) + _ffn_held(cfg, layer)
     return _work(matmul, rows * causal_attention_flops(cfg, [(seq_len, 0)]),
-                 n * (held_a + held_f) * _bytes(cfg.compute_dtype), layer_params(cfg, layer) * _bytes(cfg.param_dtype))
+                 n * held * _bytes(cfg.compute_dtype), layer_params(cfg, layer) * _bytes(cfg.param_dtype))
 
 
 def head_term(cfg, rows: int, seq_len: int, head_weights: bool = True) -> StageTerm:
@@ -127,7 +122,8 @@ def head_term(cfg, rows: int, seq_len: int, head_weights: bool = True) -> StageT
     head's input and the float32 logits; params, the norm's and (``head_weights``) the head's."""
     n, D, V = rows * seq_len, cfg.hidden_size, cfg.vocab_size
     held = n * (2 * D * _bytes(cfg.compute_dtype) + V * _LOGIT_BYTES)
-    return _work(n * 2 * D * V, 0.0, held, (D + (D * V if head_weights else 0)) * _bytes(cfg.param_dtype))
+    params = D + (D * V if head_weights else 0)
+    return _work(matmul_flops(cfg, head_gemms(cfg), n), 0.0, held, params * _bytes(cfg.param_dtype))
 
 
 def embedding_term(cfg) -> StageTerm:
@@ -140,7 +136,7 @@ def mtp_depth_term(cfg, depth: int, rows: int, seq_len: int) -> StageTerm:
     decoder block and the shared LM head (see the module docstring)."""
     D, t = cfg.hidden_size, seq_len - depth
     n, cd, pd = rows * t, _bytes(cfg.compute_dtype), _bytes(cfg.param_dtype)
-    proj = _work(n * 2 * (2 * D) * D, 0.0, n * 3 * D * cd, (2 * D * D + 2 * D) * pd)   # + enorm, hnorm
+    proj = _work(matmul_flops(cfg, mtp_gemms(cfg), n), 0.0, n * 3 * D * cd, (2 * D * D + 2 * D) * pd)   # + enorm, hnorm
     return proj + layer_term(cfg, cfg.num_hidden_layers + depth - 1, rows, t) + head_term(cfg, rows, t, False)
 
 

@@ -25,7 +25,8 @@ import functools
 from pdjax import configs
 from pdjax.analysis import calibration as C
 from pdjax.analysis.kernels import KernelModel, causal_attention_flops, train_calibration
-from pdjax.analysis.opmodel import Part, a2a_parts, attention_part, moe_parts
+from pdjax.analysis.layer_gemms import attention_gemms, moe_gemms
+from pdjax.analysis.opmodel import Part, a2a_parts, attention_part, gemm_time, moe_parts
 from pdjax.analysis.overlap import PairParts, dualpipe_pair_program, run
 from pdjax.analysis.routing import route_stats
 from pdjax.analysis.streams import class_times, makespan
@@ -35,31 +36,27 @@ from pdjax.model_config import ModelConfig
 #: The GEMM speeds train.json's kernels ran at: its forward GEMMs (DeepSeek's internal
 #: dpsk::grouped_gemm kernels, Feb 2025) match DeepGEMM's first release within a few per cent.
 TRACE_KERNELS = "deepgemm-2025-02"
+#: The GEMMs DeepSeek-V3 recomputes in the backward (its MLA up-projections, report sec. 3.2.3).
+RECOMPUTED = ("q_b", "kv_b")
 
 
-def _swap(transpose: bool):
-    return (lambda n, k: (k, n)) if transpose else (lambda n, k: (n, k))
+def _gemms(km: KernelModel, gemms, rows: dict, transpose: bool, slots: int = 1) -> float:
+    """Seconds of ``gemms`` in their forward shapes, or (``transpose``) with N and K swapped
+    for the input gradients."""
+    return gemm_time(km, [g.transposed() for g in gemms] if transpose else gemms, rows, slots=slots)
 
 
 def _dense_gemms(km: KernelModel, cfg: ModelConfig, tokens: int, transpose: bool) -> float:
-    """Seconds of one layer's MLA projection and shared-expert GEMMs (forward shapes, or with
-    N and K swapped for the input gradients)."""
-    H, Cr, R = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    nope, v, hid, q = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.hidden_size, cfg.q_lora_rank
-    inter = cfg.moe_intermediate_size
-    dense = [(q + Cr + R, hid), (H * (nope + R), q), (H * (nope + v), Cr), (hid, H * v),
-             (2 * inter * cfg.n_shared_experts, hid), (hid, inter * cfg.n_shared_experts)]
-    sw = _swap(transpose)
-    return sum(km.gemm(tokens, *sw(n, k)) for n, k in dense)
+    """Seconds of one layer's attention projection and shared-expert GEMMs (the naive form
+    on one ``tokens``-token sequence; no router)."""
+    gemms = attention_gemms(cfg, "naive") + tuple(g for g in moe_gemms(cfg) if g.block == "shared")
+    return _gemms(km, gemms, {"token": tokens, "attended": tokens}, transpose)
 
 
 def _expert_gemms(km: KernelModel, cfg: ModelConfig, tokens: int, ep: int, slots: int, transpose: bool) -> float:
     """Seconds of one layer's routed-expert GEMMs on one GPU (grouped over its slots)."""
-    hid, inter = cfg.hidden_size, cfg.moe_intermediate_size
-    local = slots // ep
-    rows = tokens * cfg.num_experts_per_tok / local
-    sw = _swap(transpose)
-    return sum(km.gemm(rows, *sw(n, k), groups=local, grouped=True) for n, k in ((2 * inter, hid), (hid, inter)))
+    gemms = [g for g in moe_gemms(cfg) if g.block == "routed"]
+    return _gemms(km, gemms, {"routed": tokens * cfg.num_experts_per_tok}, transpose, slots // ep)
 
 
 @functools.lru_cache(maxsize=None)
@@ -120,9 +117,8 @@ def predict_train_pair(cfg: ModelConfig, hw="h800", *, layers: int = 4, tokens: 
                            intranode=ep <= km.hw_domain, imbalance=1.0)
     kd, kc = comm_factors() if comm_factor is None else comm_factor
     disp, comb = Part(comm=disp.comm * kd), Part(comm=comb.comm * kc)
-    H, Cr, nope, R, v = (cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
-                         cfg.qk_rope_head_dim, cfg.v_head_dim)
-    recompute = km.gemm(tokens, H * (nope + R), cfg.q_lora_rank) + km.gemm(tokens, H * (nope + v), Cr)
+    recompute = _gemms(km, [g for g in attention_gemms(cfg, "naive") if g.name in RECOMPUTED],
+                       {"token": tokens, "attended": tokens}, False)
     dense_dgrad, routed_dgrad = _dense_gemms(km, cfg, tokens, True), _expert_gemms(km, cfg, tokens, ep, slots, True)
     other_b = (raw["class_us"]["other"] - raw["other_fwd_us"]) * 1e-6 / raw["layers"] * tokens / raw["tokens"]
     other_b /= km.hbm_scale
