@@ -1,5 +1,6 @@
-"""Config presets. ``deepseek_v2_lite``, ``deepseek_v2`` and ``deepseek_v3`` are the published
-configs (for analysis: tests never allocate them); ``tiny`` and ``small`` run anywhere."""
+"""Config presets. ``deepseek_v2_lite``, ``deepseek_v2``, ``deepseek_v3`` and ``deepseek_v32``
+are the published configs (for analysis: tests never allocate them); ``tiny``, ``tiny_v32``
+and ``small`` run anywhere."""
 
 from __future__ import annotations
 
@@ -19,6 +20,13 @@ def tiny(**overrides) -> ModelConfig:
         rope_scaling=RopeScaling(factor=4.0, original_max_position_embeddings=256,
                                  mscale=1.0, mscale_all_dim=1.0),
         model_type="deepseek_v3")
+    return cfg.replace(**overrides) if overrides else cfg
+
+
+def tiny_v32(**overrides) -> ModelConfig:
+    """:func:`tiny` with DeepSeek-V3.2's sparse attention: an indexer of 4 heads of width 16
+    selecting 8 cached tokens per query (sparse from the 9th token on)."""
+    cfg = tiny(index_n_heads=4, index_head_dim=16, index_topk=8, model_type="deepseek_v32")
     return cfg.replace(**overrides) if overrides else cfg
 
 
@@ -90,13 +98,13 @@ def deepseek_v2_lite(**overrides) -> ModelConfig:
     return cfg.replace(**overrides) if overrides else cfg
 
 
-PRESETS = {"tiny": tiny, "small": small, "deepseek_v2_lite": deepseek_v2_lite, "deepseek_v32": deepseek_v32,
-           "deepseek_v2": deepseek_v2, "deepseek_v3": deepseek_v3}
+PRESETS = {"tiny": tiny, "tiny_v32": tiny_v32, "small": small, "deepseek_v2_lite": deepseek_v2_lite,
+           "deepseek_v2": deepseek_v2, "deepseek_v3": deepseek_v3, "deepseek_v32": deepseek_v32}
 
 
 def preset(name: str, **overrides) -> ModelConfig:
-    """The preset called ``name`` ("tiny", "small", "deepseek_v2_lite", "deepseek_v2",
-    "deepseek_v3", "deepseek_v32"), with ``overrides`` applied; an unknown name raises ValueError."""
+    """The preset called ``name`` ("tiny", "tiny_v32", "small", "deepseek_v2_lite",
+    "deepseek_v2", "deepseek_v3", "deepseek_v32"), with ``overrides`` applied; an unknown name raises ValueError."""
     try:
         return PRESETS[name](**overrides)
     except KeyError:
