@@ -122,3 +122,24 @@ def test_decode_reads_only_the_selected_rows():
     per_token = {kind: (b[4096][kind] - b[1024][kind]) / 3072 for kind in ("dense", "indexer")}
     assert (b[1024]["indexer"] - b[256]["indexer"]) / 768 == pytest.approx(per_token["indexer"], rel=0.02)
     assert SPARSE.index_head_dim * 4 <= per_token["indexer"] < per_token["dense"]
+
+
+# ---- on a mesh ------------------------------------------------------------------------------
+
+def test_sharded_as_v3(v32, tmp_path):
+    """On a (data 2, expert 4) mesh (DP attention, EP; the indexer replicated like the
+    attention): HF loading onto the mesh, generate on it, and an orbax round trip give the
+    unsharded model's tokens and params."""
+    from pdjax.parallel import make_mesh
+
+    cfg, params, ref = v32
+    mesh = make_mesh({"data": 2, "expert": 4})
+    prompts = [list(map(int, ref["tokens"][i % 2, :n])) for i, n in enumerate((12, 7, 10, 12, 9, 5, 11, 12))]
+    want = pdjax.generate(params, cfg, prompts, max_new_tokens=4)
+    _, placed = pdjax.load_hf(CKPT, mesh=mesh)
+    assert placed["layers"][1]["moe"]["w_up"].sharding.spec[0] == "expert"
+    assert placed["layers"][1]["attn"]["indexer"]["wq_b"].sharding.is_fully_replicated
+    assert pdjax.generate(placed, cfg, prompts, max_new_tokens=4, mesh=mesh) == want
+    pdjax.save_params(str(tmp_path / "p"), placed)
+    restored = pdjax.restore_params(str(tmp_path / "p"), like=placed)
+    jax.tree.map(np.testing.assert_array_equal, restored, params)

@@ -19,6 +19,8 @@ CONFIGS = {
     "v2": pdjax.configs.tiny(q_lora_rank=None, topk_method="greedy", scoring_func="softmax",
                              n_shared_experts=0, n_group=1, topk_group=1, model_type="deepseek_v2"),
     "v3_large": pdjax.configs.deepseek_v3(),                           # traced only
+    "v32": pdjax.configs.tiny_v32(),                                    # the sparse-attention indexer
+    "v32_large": pdjax.configs.deepseek_v32(),                         # traced only
 }
 
 
