@@ -108,6 +108,39 @@ GEMM_KERNELS = {
 FLASHMLA_DECODE = {"memory_gbps": 3000.0, "compute_tflops": 660.0}
 FLASHMLA_SOURCE = _FLASHMLA
 
+#: FlashMLA's token-level sparse kernels (DeepSeek-V3.2's sparse attention, DSA) on H800, as
+#: DeepSeek printed them (MQA mode: d_qk 576, d_v 512, so 2 x 128 x (576 + 512) FLOPs per
+#: (query token, selected key) for V3.2's 128 heads; sources below):
+#:
+#: * ``decode_tflops``: {topk: TFLOPS} of the sparse decoding kernel (FP8 KV cache dequantized
+#:   to BF16, BF16 MMAs), compute-bound: 410 at "batch_size=128, num_heads=128, s_q=2,
+#:   topk=2048", 460 "if we set topk to a larger value, such as 32768". No memory-bound figure
+#:   is printed (the kernel is dequantization-bound, and at 2 x 128 x 1088 FLOPs per 656-byte
+#:   row compute-bound on H800): the model reads its rows at the dense kernel's 3,000 GB/s.
+#: * ``prefill_tflops``: the sparse prefill kernel, "up to 640 TFlops in forward computation".
+#: * ``dense_equal_seq_len``: the deep-dive's check, not a calibration: the sparse decode in
+#:   the 410-TFLOPS configuration takes about as long as "the dense decoding kernel when the
+#:   sequence length is around 3000" (tests/analysis/test_dsa_costs.py holds the model to it).
+FLASHMLA_SPARSE = {"decode_tflops": {2048: 410.0, 32768: 460.0}, "prefill_tflops": 640.0,
+                   "dense_equal_seq_len": 3000}
+FLASHMLA_SPARSE_SOURCE = (
+    "deepseek-ai/FlashMLA README.md at 9241ae3, 'Performance': 'The token-level sparse MLA decoding kernel "
+    "(which uses an FP8 KV cache while performing the matrix multiplication in bfloat16) achieves 410 TFLOPS in "
+    "compute-bound configuration on H800 SXM5 with CUDA 12.8'; 'MLA prefill (Sparse) ... achieves up to 640 "
+    "TFlops in forward computation on H800 SXM5'; docs/20250929-hopper-fp8-sparse-deep-dive.md, 'Performance': "
+    "'410 TFLOPS in a compute-bound configuration (batch_size=128, num_heads=128, s_q=2, topk=2048) on H800 "
+    "SXM5', 'If we set topk to a larger value, such as 32768, this kernel can achieve up to 460 TFLOPS', "
+    "'comparable to that of the dense decoding kernel when the sequence length is around 3000'")
+#: DeepSeek publishes no timing of the lightning indexer's kernels (DeepGEMM's
+#: ``fp8_mqa_logits`` / ``fp8_paged_mqa_logits``, README section 'V3.2 MQA kernels for the
+#: indexer', give shapes, not speeds). What the model takes from them is their traffic, as
+#: DeepGEMM's own benchmark counts it (tests/test_attention.py at 54e2261): FLOPs
+#: 2 x keys x queries x heads x head_dim, bytes "kv_sum_lens * (head_dim + 4)" (each key and its
+#: float32 scale read once per sequence) + "sum_lens * next_n * logits_dtype.itemsize" (FP32
+#: logits written per (query, key)).
+INDEXER_SOURCE = ("deepseek-ai/DeepGEMM README.md and tests/test_attention.py at 54e2261; "
+                  "deepseek-ai/DeepSeek-V3.2-Exp inference/kernel.py fp8_index at 3b99a53")
+
 
 @dataclasses.dataclass(frozen=True)
 class DeepEPNormal:

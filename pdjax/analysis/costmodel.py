@@ -14,7 +14,12 @@ Ops (per layer unless noted; T = tokens in the step, p = ``dtype_bytes``):
   cached ones, the latents of all c + q tokens are up-projected to per-head K/V
   (``wkv_b``), and q * c + q (q + 1) / 2 causal (query, key) pairs are scored. Decode runs
   the *absorbed* form: one (C + R)-wide score and one C-wide value dot per (token, cached
-  token, head); the cache is read, never expanded.
+  token, head); the cache is read, never expanded. With DeepSeek-V3.2's sparse attention
+  (:mod:`pdjax.analysis.sparse_attention`) both run MLA's MQA mode over the selected keys,
+  min(context, index_topk) a query (a decode query gathers its rows; a prefill reads the
+  prefix once, neighbouring queries sharing their selections on chip), and the lightning
+  indexer scores every pair (its FLOPs at the attention efficiency, its keys and FP32
+  logits in HBM bytes). The masked dense form DeepSeek runs for short prompts is not modelled.
 * ``dense_mlp``: SwiGLU of the first dense layers.
 * ``moe_experts``: router + shared experts + routed top-k. Weight bytes count only the
   experts a batch touches: with uniform routing, T tokens with top-k of E touch
@@ -39,8 +44,9 @@ from typing import Optional, Sequence
 
 from pdjax.analysis.afd_bounds import afd_exchange_bytes
 from pdjax.analysis.hardware import HardwareLike, hardware
-from pdjax.analysis.kv import kv_bytes_per_token as _kv_bytes_per_token, kv_handoff_time
+from pdjax.analysis.kv import kv_bytes_per_token as _kv_bytes_per_token, kv_handoff_time, kv_row_bytes
 from pdjax.analysis.layer_gemms import attention_gemms, weight_elements
+from pdjax.analysis.sparse_attention import sparse_work
 from pdjax.param_counts import param_counts
 from pdjax.analysis.roofline import attention_flops_per_token
 from pdjax.arguments import check_fraction, check_int, check_nonnegative, check_positive
@@ -280,6 +286,8 @@ class RooflineCostModel:
         cfg, p = self.cfg, self.dtype_bytes
         H, C, R = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
         act = 2 * T * cfg.hidden_size * p
+        if cfg.sparse_attention:
+            return self._sparse_attention(reqs, T, decode, act)
         if decode:
             # absorbed MLA: W_UK folded into q, W_UV after attending over the latent
             pairs = sum(s + 1 for _, s in reqs)
@@ -296,6 +304,16 @@ class RooflineCostModel:
         kv_expanded = 2 * expanded * H * (cfg.qk_nope_head_dim + cfg.v_head_dim) * p
         return self._op("attention", cfg.num_hidden_layers, proj, pairs * per_pair,
                         self._attn * p, kv_rw + kv_expanded + act)
+
+    def _sparse_attention(self, reqs, T, decode: bool, act: float) -> OpCost:
+        """DSA: absorbed projections, the attention over the selected keys and the indexer
+        over every pair (see the module docstring)."""
+        cfg, p = self.cfg, self.dtype_bytes
+        w = sparse_work(cfg, reqs, kv_row_bytes(cfg, "uniform", p))
+        written = T * self._latent_bytes
+        read = w.attention_bytes if decode else sum(c for _, c in reqs) * self._latent_bytes
+        return self._op("attention", cfg.num_hidden_layers, 2 * T * self._attn, w.attention_flops + w.indexer_flops,
+                        self._attn * p, read + w.indexer_bytes + written + act)
 
     def _dense_mlp(self, T) -> OpCost:
         p = self.dtype_bytes

@@ -180,7 +180,7 @@ def _predict(d: Deployment, a2a_factor: float) -> Prediction:
     tail = _step_tail(km, d, batch)
     step += tail.compute
     breakdown = class_times(spans)
-    for cls in ("gemm", "other"):
+    for cls in ("gemm", "other", "indexer"):
         breakdown[cls] += getattr(tail, cls)
     if d.role == "prefill":
         per_gpu = tokens / step

@@ -17,6 +17,15 @@ How each measurement enters (H800 is the hardware every table was measured on):
 * **Prefill attention** (FlashAttention-3 forward with MLA's 192/128 head dims, BF16): the
   fraction of BF16 peak it reached in DeepSeek's train.json
   (:data:`~pdjax.analysis.calibration.TRAIN_PROFILE_RAW`).
+* **Sparse attention** (DeepSeek-V3.2's DSA, FlashMLA's sparse kernels,
+  :data:`~pdjax.analysis.calibration.FLASHMLA_SPARSE`): decode at 410 TFLOPS (topk 2,048;
+  460 at topk 32,768, interpolated in log topk and clamped) with its FP8 rows read at the
+  dense kernel's 3,000 GB/s; prefill at 640 TFLOPS. Scaled as the dense ones.
+* **Lightning indexer** (DSA; no published timing): its traffic as DeepGEMM's benchmark
+  counts it (:data:`~pdjax.analysis.calibration.INDEXER_SOURCE`), its FP8 logits at the
+  share of peak FlashMLA's sparse prefill reaches (640 / 989 of BF16 peak, applied to the
+  FP8 peak: an attention-like kernel at an attention kernel's efficiency, an assumption),
+  its bytes at FlashMLA's 3,000 GB/s.
 * **Expert all-to-all, normal kernels** (DeepEP internode/intranode): a token crosses RDMA
   once per destination node and NVLink once per destination GPU; the two legs pipeline,
   so a kernel takes max(RDMA bytes / B_rdma, NVLink bytes / B_nvl) plus one chunk of the
@@ -141,6 +150,31 @@ class KernelModel:
         check_nonnegative("kv_bytes", kv_bytes)
         return max(flops / (C.FLASHMLA_DECODE["compute_tflops"] * 1e12 * self.bf16_scale),
                    kv_bytes / (C.FLASHMLA_DECODE["memory_gbps"] * 1e9 * self.hbm_scale))
+
+    def attention_decode_sparse(self, flops: float, kv_bytes: float, topk: int) -> float:
+        """Seconds of FlashMLA's sparse decoding (FP8 rows, BF16 MMAs) at index_topk ``topk``:
+        max(FLOPs / (410 TFLOPS at topk 2,048, 460 at 32,768), bytes / 3,000 GB/s) at H800."""
+        check_nonnegative("flops", flops)
+        check_nonnegative("kv_bytes", kv_bytes)
+        check_int("topk", topk)
+        pts = sorted(C.FLASHMLA_SPARSE["decode_tflops"].items())
+        tflops = _interp_log(topk, [k for k, _ in pts], [t for _, t in pts])
+        return max(flops / (tflops * 1e12 * self.bf16_scale),
+                   kv_bytes / (C.FLASHMLA_DECODE["memory_gbps"] * 1e9 * self.hbm_scale))
+
+    def attention_prefill_sparse(self, flops: float) -> float:
+        """Seconds of FlashMLA's sparse prefill (MQA mode, BF16) of ``flops`` FLOPs: 640 TFLOPS at H800."""
+        check_nonnegative("flops", flops)
+        return flops / (C.FLASHMLA_SPARSE["prefill_tflops"] * 1e12 * self.bf16_scale)
+
+    def indexer(self, flops: float, nbytes: float) -> float:
+        """Seconds of the lightning indexer's logits and top-k: max(FP8 FLOPs / (FP8 peak x the
+        share of BF16 peak FlashMLA's sparse prefill reaches), bytes / 3,000 GB/s at H800)."""
+        check_nonnegative("flops", flops)
+        check_nonnegative("nbytes", nbytes)
+        share = C.FLASHMLA_SPARSE["prefill_tflops"] * 1e12 / hardware(H800).peak_flops("bf16")
+        return max(flops / (self.hw.peak_flops("fp8") * share),
+                   nbytes / (C.FLASHMLA_DECODE["memory_gbps"] * 1e9 * self.hbm_scale))
 
     # ---- everything else --------------------------------------------------------------
     def other(self, tokens: float, training: bool = False) -> float:

@@ -14,7 +14,22 @@ MLA         (d_c + d_R) * L             70,272 B (68.6 KiB)
 For the MHA/GQA/MQA counterfactuals of an MLA config, a key head has ``qk_nope_head_dim``
 elements and a value head ``v_head_dim`` (both d_h = 128 in DeepSeek), so
 "2 * d_h" is ``qk_nope_head_dim + v_head_dim``: the decoupled RoPE part is MLA's own and
-is not carried over. MLA caches ``kv_lora_rank + qk_rope_head_dim`` (= d_c + d_R) values.
+is not carried over. MLA caches ``kv_lora_rank + qk_rope_head_dim`` (= d_c + d_R) values; with DeepSeek-V3.2's
+sparse attention (DSA) a cached row also holds the lightning indexer's key (``index_head_dim``
+values), ``cfg.kv_latent_dim`` in all.
+
+Two layouts of an MLA row (:data:`KV_LAYOUTS`; per token per layer):
+
+* ``"uniform"``: every cached value in the cache dtype (``dtype_bytes`` each), the indexer key
+  beside the latent: transformers' ``DeepseekV32`` cache and pdjax's. V3.2 in bf16:
+  704 x 2 = 1,408 B, 85,888 B over 61 layers (V3: 576 x 2 = 1,152 B, 70,272 B).
+* ``"deepseek-fp8"``: what DeepSeek's released kernels store (:func:`kv_row_bytes`): the
+  latent in FP8 with one float32 scale per 128 values and the RoPE part in BF16
+  (FlashMLA's "FP8 with scale" format, 656 B for C = 512, R = 64), and with DSA the
+  indexer key in FP8 with one float32 scale per token (128 + 4 = 132 B): 788 B, 48,068 B
+  over V3.2's 61 layers. FlashMLA's dense decoding kernel reads BF16 only, its sparse one
+  FP8 only (README support matrix), so DeepSeek serves V3 from the BF16 row and V3.2 from
+  this one (:func:`serving_kv_layout`).
 
 The concurrency bound C_max = (M_total - M_weights - M_act) / (S * KV_per_token) is a
 ratio of bytes, so it has no unit; the unit matters only when a memory figure is typed as a
@@ -31,6 +46,28 @@ from pdjax.model_config import ModelConfig
 
 #: Attention kinds the KV accounting knows: "mla", "mha", "gqa" (needs num_kv_groups), "mqa".
 ATTENTION_KINDS = ("mla", "mha", "gqa", "mqa")
+#: Layouts of an MLA row (see the module docstring).
+KV_LAYOUTS = ("uniform", "deepseek-fp8")
+
+# DeepSeek's FP8 layout, as its repositories state it (facts, not code):
+# * deepseek-ai/FlashMLA README.md at 9241ae3, "FP8 KV Cache": "each token's KV cache is 656
+#   Bytes": "First 512 bytes: ... 512 float8_e4m3 values", "Next 16 bytes: Scale factors,
+#   containing 4 float32 values. The first float32 is the scale for the first 128
+#   float8_e4m3 values, the second for the next 128, and so on", "Last 128 bytes: The RoPE
+#   part, containing 64 bfloat16 values. This part is not quantized for accuracy";
+#   docs/20250929-hopper-fp8-sparse-deep-dive.md: "tile-level quantization (with a tile size
+#   of 1 x 128) to the first 512 elements", "each token's KVCache occupies 656 bytes".
+#   Support matrix: "Dense Decoding | SM90 | MQA | BF16", "Sparse Decoding | SM90 & SM100 |
+#   MQA | FP8".
+# * deepseek-ai/DeepSeek-V3.2-Exp inference/model.py at 3b99a53, class Indexer: the key cache
+#   ``k_cache`` is float8_e4m3fn of ``index_head_dim`` per token and ``k_scale_cache`` float32 of
+#   ``index_head_dim // block_size`` per token, ``block_size = 128`` (one scale for V3.2's
+#   128-wide key); inference/kernel.py ``fp8_index`` takes ``k_s`` of shape (b, n): one scale
+#   per key. deepseek-ai/DeepGEMM tests/test_attention.py at 54e2261, the paged indexer cache:
+#   ``head_dim + 4`` bytes per token (FP8 key, then its float32 scale).
+FP8_TILE = 128            # values per float32 scale (the latent's tiles; the indexer key's block)
+FP8_SCALE_BYTES = 4       # a float32 scale
+ROPE_BYTES = 2            # the RoPE part stays BF16
 
 
 def kv_heads(cfg: ModelConfig, attention: str, num_kv_groups: Optional[int] = None) -> int:
@@ -63,19 +100,74 @@ def kv_elements_per_token(cfg: ModelConfig, attention: str = "mla",
         raise TypeError(f"expected a ModelConfig, got {type(cfg).__name__}")
     heads = kv_heads(cfg, attention, num_kv_groups)
     if attention == "mla":
-        per_layer = cfg.kv_lora_rank + cfg.qk_rope_head_dim          # d_c + d_R
+        per_layer = cfg.kv_latent_dim            # d_c + d_R (+ the indexer key with DSA)
     else:
         per_layer = heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)  # 2 * n_kv * d_h
     return per_layer * cfg.num_hidden_layers
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: float = 2, attention: str = "mla",
-                       num_kv_groups: Optional[int] = None) -> float:
+                       num_kv_groups: Optional[int] = None, *, layout: str = "uniform") -> float:
     """KV-cache bytes per token over all layers; ``dtype_bytes`` per cached element
-    (bf16 2, fp8 1). V3 MLA bf16: 70,272 B; the MHA counterfactual: 3,997,696 B."""
+    (bf16 2, fp8 1). V3 MLA bf16: 70,272 B; the MHA counterfactual: 3,997,696 B; V3.2
+    (the indexer key beside the latent): 85,888 B. ``layout="deepseek-fp8"`` (MLA only):
+    DeepSeek's kernels' layout, :func:`kv_row_bytes` x layers (``dtype_bytes`` unused):
+    V3.2 48,068 B."""
     check_positive("dtype_bytes", dtype_bytes)
+    if check_layout(layout) == "deepseek-fp8":
+        if check_attention(attention) != "mla" or num_kv_groups is not None:
+            raise ValueError(f"layout='deepseek-fp8' is an MLA row; attention={attention!r} has none")
+        return kv_row_bytes(cfg, layout)["total"] * cfg.num_hidden_layers
     n = kv_elements_per_token(cfg, attention, num_kv_groups) * dtype_bytes
     return int(n) if float(n).is_integer() else n
+
+
+def check_layout(layout: str) -> str:
+    if layout not in KV_LAYOUTS:
+        raise ValueError(f"unknown KV layout {layout!r}; known: {KV_LAYOUTS}")
+    return layout
+
+
+def kv_row_bytes(cfg: ModelConfig, layout: str = "deepseek-fp8", dtype_bytes: float = 2) -> dict:
+    """One token's MLA row in one layer, by part (bytes): ``latent``, ``latent_scales``,
+    ``rope``, ``index_key``, ``index_scale``, ``mla`` (what the attention reads: the first
+    three), ``indexer`` (the last two, 0 without DSA) and ``total``. ``"uniform"``: every value
+    ``dtype_bytes``, no scales. ``"deepseek-fp8"`` (the module docstring's sources): C FP8 values
+    and a float32 scale per 128 of them, R BF16 values, the indexer key's Di FP8 values and a
+    float32 scale per 128 (one for V3.2); V3.2: 512 + 16 + 128 + 128 + 4 = 788. ValueError if C
+    or Di is not a multiple of the 128-value tile."""
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError(f"expected a ModelConfig, got {type(cfg).__name__}")
+    check_positive("dtype_bytes", dtype_bytes)
+    C, R, Di = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim if cfg.sparse_attention else 0
+    if check_layout(layout) == "uniform":
+        row = {"latent": C * dtype_bytes, "latent_scales": 0, "rope": R * dtype_bytes,
+               "index_key": Di * dtype_bytes, "index_scale": 0}
+    else:
+        for name, width in (("kv_lora_rank", C), ("index_head_dim", Di)):
+            if width % FP8_TILE:
+                raise ValueError(f"layout='deepseek-fp8' quantizes in tiles of {FP8_TILE} values; "
+                                 f"{name}={width} is not a multiple")
+        row = {"latent": C, "latent_scales": C // FP8_TILE * FP8_SCALE_BYTES, "rope": R * ROPE_BYTES,
+               "index_key": Di, "index_scale": Di // FP8_TILE * FP8_SCALE_BYTES}
+    row["mla"] = row["latent"] + row["latent_scales"] + row["rope"]
+    row["indexer"] = row["index_key"] + row["index_scale"]
+    row["total"] = row["mla"] + row["indexer"]
+    return row
+
+
+def serving_kv_layout(cfg: ModelConfig) -> tuple[str, float]:
+    """(layout, dtype_bytes) of the row DeepSeek's released decode kernels read: BF16
+    (``"uniform"``, 2) for dense MLA (FlashMLA's dense decoding reads BF16 only), and with
+    DSA ``"deepseek-fp8"`` (its sparse decoding reads FP8 only)."""
+    return ("deepseek-fp8", 1) if cfg.sparse_attention else ("uniform", 2)
+
+
+def serving_kv_bytes_per_token(cfg: ModelConfig) -> float:
+    """KV bytes per token over all layers in :func:`serving_kv_layout`: V3 70,272 (BF16),
+    V3.2 48,068 (FP8 latent and indexer key with their scales, BF16 RoPE part)."""
+    layout, p = serving_kv_layout(cfg)
+    return kv_bytes_per_token(cfg, p, layout=layout)
 
 
 def kv_bytes_per_sequence(cfg: ModelConfig, context_len: int, dtype_bytes: float = 2,

@@ -8,14 +8,16 @@
 * **Memory limit.** HBM minus the weights this GPU holds (attention, dense and shared
   layers replicated under data-parallel attention, its routed-expert slots; embedding and
   LM head in BF16, the rest at the weight dtype) minus an activation reserve, over the KV
-  cache a request holds at its longest (decode: input + output tokens, BF16 latent cache)
+  cache a request holds at its longest (decode: input + output tokens, in the layout
+  DeepSeek's decode kernels read, :func:`pdjax.analysis.kv.serving_kv_bytes_per_token`: the
+  BF16 latent, or with sparse attention the FP8 latent and indexer key with their scales)
   or the activations a prefill token keeps alive in its micro-batch.
 """
 
 from __future__ import annotations
 
 from pdjax.analysis import calibration as C
-from pdjax.analysis.kv import kv_bytes_per_token
+from pdjax.analysis.kv import serving_kv_bytes_per_token
 from pdjax.param_counts import param_counts
 
 PREFILL_TOKENS_PER_GPU = next(p.batch_per_gpu for p in C.DEEPSEEK_PROFILE if p.role == "prefill")
@@ -51,7 +53,7 @@ def saturation_batch(d) -> tuple[int, tuple]:
     m = d.microbatches
     if d.role == "decode":
         kernel = LL_TOKENS_PER_MICROBATCH * m // d.tokens_per_request
-        memory = int(free // (kv_bytes_per_token(d.model, 2) * (d.input_len + d.output_len)))
+        memory = int(free // (serving_kv_bytes_per_token(d.model) * (d.input_len + d.output_len)))
         which = "kernel" if kernel <= memory else "memory"
         return max(1, min(kernel, memory)), (f"decode batch: {min(kernel, memory)} requests per GPU, "
                                              f"{which}-limited (kernel {kernel}, memory {memory})",)

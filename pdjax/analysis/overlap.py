@@ -30,7 +30,7 @@ from typing import Sequence
 from pdjax.analysis.opmodel import LayerParts, Part
 from pdjax.analysis.streams import Op, Span, schedule
 
-_CLASSES = ("other", "gemm", "attention")
+_CLASSES = ("other", "gemm", "indexer", "attention")
 
 
 def _compute_ops(name: str, part: Part, after: tuple, group: str) -> list[Op]:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pdjax.analysis.streams import OP_CLASSES, STREAMS, Span, makespan
 
-COLORS = {"gemm": "#4c9be8", "attention": "#f2a33a", "dispatch": "#8cc152", "combine": "#a07cc5",
-          "other": "#b4b4b4"}
+COLORS = {"gemm": "#4c9be8", "attention": "#f2a33a", "indexer": "#e8684c", "dispatch": "#8cc152",
+          "combine": "#a07cc5", "other": "#b4b4b4"}
 
 
 def plot_profile(prof_or_spans, predicted=None, path=None, ax=None):

@@ -1,6 +1,11 @@
 """The analysis sheet: every roofline / KV / MoE / pipeline quantity of (config, hardware),
 returned as data and printed readably; plus a short markdown section for reports.
 
+The ``[decode]`` section is the op-level model's (:func:`pdjax.analysis.predict`): the KV
+bytes per token DeepSeek's decode kernels read and, at a few contexts, the attention (and with
+DeepSeek-V3.2's sparse attention the lightning indexer) per request and layer and the step
+of a decode instance.
+
 Keys carry their unit as a suffix: ``_B`` bytes, ``_GB`` 1e9 bytes, ``_GiB`` 2**30 bytes,
 ``_s`` seconds, ``_B_per_s`` bytes/s, ``_flop_per_B`` FLOP per byte; fractions are in
 [0, 1] and unit-free.
@@ -33,8 +38,9 @@ class Report:
     moe: dict
     pipeline: dict
     afd: dict
+    decode: dict = dataclasses.field(default_factory=dict)
 
-    SECTIONS = ("params", "roofline", "attention", "memory", "handoff", "moe", "pipeline", "afd")
+    SECTIONS = ("params", "roofline", "attention", "memory", "handoff", "moe", "pipeline", "afd", "decode")
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -80,7 +86,7 @@ def _optional(fn, *args, **kwargs):
 
 
 def _check_sizes(cfg, *, context_len, handoff_context_len, ep_size, pipeline_stages, act_bytes, weight_dtype_bytes,
-                 kv_dtype_bytes, bubble_target, microbatches) -> None:
+                 kv_dtype_bytes, bubble_target, microbatches, decode_contexts=()) -> None:
     """report's numeric arguments, each named when it is not what it must be (``ep_size``
     also against ``cfg``'s routed experts, :func:`moe_bounds.check_ep_size`)."""
     for name, value in (("context_len", context_len), ("handoff_context_len", handoff_context_len),
@@ -93,17 +99,30 @@ def _check_sizes(cfg, *, context_len, handoff_context_len, ep_size, pipeline_sta
     check_fraction("bubble_target", bubble_target)
     for m in microbatches:
         check_int("microbatches entry", m)
+    for c in decode_contexts:
+        check_int("decode_contexts entry", c)
 
 
-def report(cfg: ModelConfig, hw: HardwareLike, *, context_len: int = 4096,
-           handoff_context_len: int = 32768, compute_dtype: str = "bf16",
-           weight_dtype_bytes: float = 2, kv_dtype_bytes: float = 2, ep_size: Optional[int] = None,
-           ep_layout: str = "even", act_bytes: float = 0.0, link: str = "scale_out",
+#: report's ``dtype`` shorthands: (compute dtype, weight bytes, KV bytes per cached value).
+DTYPES = {"bf16": ("bf16", 2, 2), "fp8": ("fp8", 1, 1)}
+#: The contexts of the [decode] section by default.
+DECODE_CONTEXTS = (4096, 32768, 131072)
+
+
+def report(cfg: ModelConfig, hw: HardwareLike, *, dtype: Optional[str] = None, context_len: int = 4096,
+           handoff_context_len: int = 32768, compute_dtype: Optional[str] = None,
+           weight_dtype_bytes: Optional[float] = None, kv_dtype_bytes: Optional[float] = None,
+           ep_size: Optional[int] = None, ep_layout: str = "even", act_bytes: float = 0.0, link: str = "scale_out",
            num_kv_groups: Optional[int] = None, pipeline_stages: int = 16,
            microbatches: Sequence[int] = (16, 32, 64, 128, 256), bubble_target: float = 0.1,
-           speculative: Optional[str] = None, verbose: bool = False) -> Report:
+           speculative: Optional[str] = None, decode_contexts: Sequence[int] = DECODE_CONTEXTS,
+           verbose: bool = False) -> Report:
     """Compute the analysis sheet of ``cfg`` on ``hw``; returns it (``print(sheet)`` or
     ``verbose=True`` prints it; in a notebook it displays as a table).
+
+    ``dtype`` ("bf16", the default, or "fp8": :data:`DTYPES`) sets ``compute_dtype``,
+    ``weight_dtype_bytes`` and ``kv_dtype_bytes`` together; any of the three given explicitly
+    overrides it. ``decode_contexts``: the contexts of the [decode] section (() for none).
 
     ``context_len`` S for the concurrency bound; ``handoff_context_len`` for the P->D KV
     transfer; weights held as ``weight_dtype_bytes`` per param split over ``ep_size``
@@ -119,13 +138,16 @@ def report(cfg: ModelConfig, hw: HardwareLike, *, context_len: int = 4096,
     except the ones every row needs (bf16 peak, HBM bytes and bandwidth): ValueError."""
     if not isinstance(cfg, ModelConfig):
         raise TypeError(f"report expects a ModelConfig, got {type(cfg).__name__}")
+    compute_dtype, weight_dtype_bytes, kv_dtype_bytes = _dtypes(dtype, compute_dtype, weight_dtype_bytes,
+                                                                kv_dtype_bytes)
     hw = hardware(hw)
     mtp = _served_mtp_layers(cfg, speculative)
     chosen = ep_size is None
     ep_size = _ep_that_fits(cfg, hw, weight_dtype_bytes, ep_layout, act_bytes, mtp) if chosen else ep_size
     _check_sizes(cfg, context_len=context_len, handoff_context_len=handoff_context_len, ep_size=ep_size,
                  pipeline_stages=pipeline_stages, act_bytes=act_bytes, weight_dtype_bytes=weight_dtype_bytes,
-                 kv_dtype_bytes=kv_dtype_bytes, bubble_target=bubble_target, microbatches=microbatches)
+                 kv_dtype_bytes=kv_dtype_bytes, bubble_target=bubble_target, microbatches=microbatches,
+                 decode_contexts=decode_contexts)
     hbm = hw.require("hbm_bytes", "the memory sheet")
     counts = param_counts(cfg, mtp_layers=mtp)
     p_w = weight_dtype_bytes
@@ -137,21 +159,34 @@ def report(cfg: ModelConfig, hw: HardwareLike, *, context_len: int = 4096,
     memory["ep_size_chosen"] = chosen
     handoff = _handoff_section(hw, counts, link, handoff_context_len, compute_dtype, mla_kv, mha_kv)
     moe_sheet = _moe_section(cfg, hw, compute_dtype, p_w)
+    pipeline, afd_sheet = _pipeline_sections(pipeline_stages, microbatches, bubble_target)
+    out = Report(model=describe(cfg), hardware=hw.name, params=_params_section(counts, p_w), roofline=roof,
+                 attention=attention, memory=memory, handoff=handoff, moe=moe_sheet,
+                 pipeline=pipeline, afd=afd_sheet, decode=decode_section(cfg, hw, ep_size, p_w, decode_contexts))
+    if verbose:
+        print(out)
+    return out
+
+
+def _pipeline_sections(pipeline_stages: int, microbatches, bubble_target: float) -> tuple[dict, dict]:
+    """The [pipeline] section (1F1B bubbles) and the [afd] section (micro-batches to hide the exchange)."""
     table = bubbles.bubble_table(pipeline_stages, microbatches)
     pipeline = {"stages": pipeline_stages,
                 "bubble_1f1b": {m: round(r, 4) for m, r in table.items()},
                 f"microbatches_for_bubble_below_{bubble_target:g}":
                     bubbles.min_microbatches_1f1b(pipeline_stages, bubble_target)}
-
     afd_sheet = {"min_microbatches_Tc_half_Tf": afd_bounds.afd_min_microbatches(0.5, 1.0),
                  "min_microbatches_Tc_eq_Tf": afd_bounds.afd_min_microbatches(1.0, 1.0)}
+    return pipeline, afd_sheet
 
-    out = Report(model=describe(cfg), hardware=hw.name, params=_params_section(counts, p_w), roofline=roof,
-                 attention=attention, memory=memory, handoff=handoff, moe=moe_sheet,
-                 pipeline=pipeline, afd=afd_sheet)
-    if verbose:
-        print(out)
-    return out
+
+def _dtypes(dtype: Optional[str], compute_dtype, weight_dtype_bytes, kv_dtype_bytes) -> tuple:
+    """(compute dtype, weight bytes, KV bytes) of report's arguments: ``dtype``'s
+    (:data:`DTYPES`; None: "bf16") where not given explicitly."""
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)} or None, got {dtype!r}")
+    default = DTYPES[dtype or "bf16"]
+    return tuple(d if v is None else v for d, v in zip(default, (compute_dtype, weight_dtype_bytes, kv_dtype_bytes)))
 
 
 def _params_section(counts, p_w: float) -> dict:
@@ -192,6 +227,11 @@ def _attention_section(cfg: ModelConfig, kv_dtype_bytes: float,
     mha_kv = attention["mha_kv_per_token_B"]
     attention["mha_over_mla_kv_ratio"] = mha_kv / mla_kv
     attention["kv_dtype_bytes"] = kv_dtype_bytes
+    attention["mla_kv_per_token_deepseek_fp8_B"] = _optional(kv.kv_bytes_per_token, cfg, layout="deepseek-fp8")
+    if cfg.sparse_attention:
+        attention["indexer_kv_per_token_B"] = kv.kv_row_bytes(cfg, "uniform", kv_dtype_bytes)["indexer"] * \
+            cfg.num_hidden_layers
+        attention["index_topk"] = cfg.index_topk
     return attention, mla_kv
 
 
@@ -264,6 +304,36 @@ def _handoff_section(hw, counts, link: str, handoff_context_len: int, compute_dt
     return handoff
 
 
+def decode_section(cfg: ModelConfig, hw, ep_size: int, weight_dtype_bytes: float,
+                   contexts: Sequence[int] = DECODE_CONTEXTS) -> dict:
+    """The [decode] section (empty for a dense model or no ``contexts``): the layout and KV
+    bytes per token DeepSeek's decode kernels read (:func:`pdjax.analysis.kv.serving_kv_layout`),
+    and per context the op model's attention and indexer seconds for one request's token in one
+    layer (:func:`pdjax.analysis.opmodel.attention_part`) and the step of a decode instance of
+    ``ep_size`` GPUs at its saturation batch (:func:`pdjax.analysis.predict`); None where the
+    hardware lacks a figure, the weights do not fit or the weight bytes are neither 1 nor 2."""
+    from pdjax.analysis.deploy import Deployment, predict
+    from pdjax.analysis.kernels import KernelModel
+    from pdjax.analysis.opmodel import attention_part
+    if not cfg.n_routed_experts or not contexts:
+        return {}
+    layout, _ = kv.serving_kv_layout(cfg)
+    out = {"kv_layout": layout, "kv_per_token_B": kv.serving_kv_bytes_per_token(cfg)}
+    km = _optional(KernelModel, hw)
+    parts = {c: km and _optional(attention_part, km, cfg, decode=[(1, c)], moe=False, weight_dtype="bf16")
+             for c in contexts}
+    out["attention_per_request_layer_s"] = {c: p and p.attention for c, p in parts.items()}
+    out["indexer_per_request_layer_s"] = {c: p and p.indexer for c, p in parts.items()}
+    weights = {1: "fp8", 2: "bf16"}.get(weight_dtype_bytes)
+    preds = {c: weights and _optional(lambda c=c: predict(Deployment(cfg, hw, "decode", gpus=ep_size, ep=ep_size,
+                                                                      input_len=c, weight_dtype=weights)))
+             for c in contexts}
+    out["batch_per_gpu"] = {c: p and p.batch_per_gpu for c, p in preds.items()}
+    out["step_time_s"] = {c: p and p.step_time_s for c, p in preds.items()}
+    out["tokens_per_s_per_gpu"] = {c: p and p.tokens_per_s_per_gpu for c, p in preds.items()}
+    return out
+
+
 def _bytes_label(n: float) -> str:
     label = format_bytes(n)
     return f"{n:,.0f} B" + ("" if label.endswith(" B") else f" ({label})")
@@ -276,7 +346,7 @@ def quickstart_section(cfg: ModelConfig, hw: HardwareLike, *, context_len: int =
     machine balance, and C_max (decimal bytes) at ``context_len``."""
     sheet = report(cfg, hw, context_len=context_len, kv_dtype_bytes=kv_dtype_bytes,
                    weight_dtype_bytes=weight_dtype_bytes, ep_size=ep_size, verbose=False,
-                   compute_dtype=compute_dtype)
+                   compute_dtype=compute_dtype, decode_contexts=())
     a, r, m = sheet.attention, sheet.roofline, sheet.memory
     mla, mha = a["mla_kv_per_token_B"], a["mha_kv_per_token_B"]
     dtype = {2: "bf16", 1: "fp8"}.get(kv_dtype_bytes, f"{kv_dtype_bytes} B/elem")

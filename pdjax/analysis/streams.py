@@ -9,6 +9,7 @@ it (:data:`OP_CLASSES`):
 
 * ``gemm``: dense and grouped matrix multiplications;
 * ``attention``: attention kernels with their pre- and post-processing;
+* ``indexer``: DeepSeek-V3.2's lightning indexer (its logits and top-k; its projections are GEMMs);
 * ``dispatch`` / ``combine``: the expert all-to-all, with their notify and layout kernels;
 * ``other``: everything else (casts, transposes, norms, RoPE, elementwise).
 
@@ -34,7 +35,7 @@ from typing import Iterable, Optional, Sequence
 
 from pdjax.arguments import check_nonnegative
 
-OP_CLASSES = ("gemm", "attention", "dispatch", "combine", "other")
+OP_CLASSES = ("gemm", "attention", "indexer", "dispatch", "combine", "other")
 STREAMS = ("compute", "comm")
 AFD_STREAMS = ("attention", "a2f", "ffn", "f2a")
 RESOURCES = STREAMS + AFD_STREAMS

@@ -108,7 +108,7 @@ def _breakdown_figure(rows: list[dict]):
         left = 0.0
         total = sum(r["breakdown"].values())
         for cls in OP_CLASSES:
-            share = r["breakdown"][cls] / total
+            share = r["breakdown"].get(cls, 0.0) / total    # runs recorded before a class existed lack it
             ax.barh(i, share, left=left, label=cls if i == 0 else None)
             left += share
     ax.set_yticks(range(len(rows)), [r["name"] for r in rows], fontsize=7)

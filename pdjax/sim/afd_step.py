@@ -34,6 +34,7 @@ from typing import Optional, Sequence
 from pdjax.arguments import check_int
 from pdjax.analysis.overlap import AFStages, af_program
 from pdjax.analysis.streams import Op, schedule
+from pdjax.sim.cost import has_totals
 
 
 def afd_program(t_attn: float, t_ffn: float, t_comm: float, microbatches: int, layers: int, *,
@@ -100,7 +101,7 @@ class AFDStepModel:
             exchange_bytes = fn(num_ffn)
         self.cost, self.num_ffn, self.m = cost, num_ffn, microbatches
         self.exchange_bw, self.L, self.exchange_bytes = exchange_bw, max(1, num_layers), exchange_bytes
-        self._fast = hasattr(cost, "decode_attention_time_totals")
+        self._fast = has_totals(cost, "decode_attention_time_totals")
         self.last = (0.0, 0.0, 0.0)   # (T_a, T_f, T_c) of the last step, per layer
 
     def step_time_totals(self, loads: Sequence[tuple[int, float]]) -> float:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
+from pdjax.sim.cost import has_totals
 from pdjax.sim.instances import DecodeState, Instance, handoff_overhead
 from pdjax.sim.policies import chunk_for_budget
 
@@ -43,8 +44,8 @@ class ColocatedInstance(Instance):
         self.pending = 0.0
         self.plan_chunks: list = []
         self.t_step = 0.0
-        self._fast_d = hasattr(sim.cost, "decode_step_time_totals")
-        self._fast_p = hasattr(sim.cost, "prefill_step_time_totals")
+        self._fast_d = has_totals(sim.cost, "decode_step_time_totals")
+        self._fast_p = has_totals(sim.cost, "prefill_step_time_totals")
 
     @property
     def _loop_running(self) -> bool:

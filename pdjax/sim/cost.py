@@ -28,6 +28,16 @@ its FFN side (:class:`AFDCostModel`): ``decode_attention_time(kv_lens)`` and
 ``LinearStepCost.from_roofline(cfg, hw)`` derives every coefficient from a ModelConfig
 and a hardware preset (see its docstring); nothing is typed in.
 
+With DeepSeek-V3.2's sparse attention (``sparse_topk`` = index_topk > 0) the attention of a
+new token reads only min(its context, k) cached tokens, which no sum over the requests
+gives: two terms are added, per request or chunk (:mod:`pdjax.analysis.sparse_attention`),
+
+    prefill += c5 * sum(selected(q, c))        selected(q, c) = sum_{i=1..q} min(c + i, k)
+    decode  += d3 * sum(selected(1, kv))       = min(kv + 1, k) per request
+
+(c2, c3 and d2 then hold the indexer, which scores every pair), and the simulator uses the
+per-request methods (:func:`has_totals` is False for such a cost).
+
 :class:`FittedStepCost` wraps costs fitted to an engine's measured steps (a
 ``pdjax.analysis.costmodel_fit.PrefillCostFit`` and ``DecodeCostFit``), so the simulator can
 replay a trace against the engine it models (``pdjax.experiments.sim_vs_engine``).
@@ -41,10 +51,8 @@ from typing import Callable, Optional, Protocol, Sequence, runtime_checkable
 
 from pdjax.arguments import check_int
 from pdjax.analysis.afd_bounds import afd_exchange_bytes
-from pdjax.analysis import hardware, kv_bytes_per_token, param_counts
-from pdjax.analysis.roofline import attention_flops_per_token
-from pdjax.analysis.hardware import normalise_dtype
-from pdjax.analysis.kv import free_memory_bytes
+from pdjax.analysis.sparse_attention import selected_pairs
+from pdjax.sim.cost_roofline import roofline_fields
 
 PROTOCOL_METHODS = ("prefill_step_time", "decode_step_time", "kv_transfer_time",
                     "kv_bytes_per_token")
@@ -83,6 +91,13 @@ def check_cost_model(cost, afd: bool = False):
     return cost
 
 
+def has_totals(cost, name: str) -> bool:
+    """Whether the simulator may call ``cost``'s fast path ``name`` (a ``*_totals`` method):
+    it has one and its step time follows from the totals alone (not with sparse attention,
+    whose cost depends on each request's min(context, index_topk))."""
+    return callable(getattr(cost, name, None)) and not getattr(cost, "sparse_topk", 0)
+
+
 def num_layers_of(cost, default: int = 1) -> int:
     """Layer count of a cost model (``num_layers`` or ``cfg.num_hidden_layers``)."""
     n = getattr(cost, "num_layers", None)
@@ -95,8 +110,10 @@ def num_layers_of(cost, default: int = 1) -> int:
 @dataclasses.dataclass(frozen=True)
 class LinearStepCost:
     """Linear step-time model; all coefficients in seconds (per step, per token, per
-    token pair). The decode step splits into an attention side (``a0 + a1*n + d2*sum(kv)``)
-    and an FFN side (``f0 + f1*n``) so that ``d0 = a0 + f0`` and ``d1 = a1 + f1``.
+    token pair). The decode step splits into an attention side (``a0 + a1*n + d2*sum(kv)``,
+    + ``d3*sum(selected)`` with sparse attention) and an FFN side (``f0 + f1*n``) so that
+    ``d0 = a0 + f0`` and ``d1 = a1 + f1``. ``sparse_topk``, ``c5``, ``d3``: DeepSeek sparse
+    attention (see the module docstring; 0: dense).
 
     Use :meth:`from_roofline` for coefficients derived from a config and a hardware preset;
     pass coefficients directly for a fitted model.
@@ -121,14 +138,20 @@ class LinearStepCost:
     kv_capacity_attention: Optional[float] = None  # tokens an AF attention instance can hold
     cfg: object = dataclasses.field(default=None, repr=False, compare=False)
     note: str = ""
+    sparse_topk: int = 0
+    c5: float = 0.0
+    d3: float = 0.0
 
     def __post_init__(self):
-        for f in ("c0", "c1", "c2", "c3", "c4", "a0", "a1", "f0", "f1", "d2"):
+        for f in ("c0", "c1", "c2", "c3", "c4", "a0", "a1", "f0", "f1", "d2", "c5", "d3"):
             v = getattr(self, f)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"LinearStepCost.{f} must be a finite number >= 0, got {v!r}")
         if self.kv_bytes <= 0:
             raise ValueError(f"LinearStepCost.kv_bytes must be > 0, got {self.kv_bytes!r}")
+        check_int("LinearStepCost.sparse_topk", self.sparse_topk, 0)
+        if not self.sparse_topk and (self.c5 or self.d3):
+            raise ValueError("LinearStepCost.c5 and d3 (sparse attention terms) need sparse_topk > 0")
 
     # ---- derived coefficients -------------------------------------------------------
     @property
@@ -149,29 +172,52 @@ class LinearStepCost:
             sqc += q * c
             sq2 += q * q
             sc += c
-        return self.prefill_step_time_totals(sq, sqc, sq2, sc)
+        dense = self._prefill_totals(sq, sqc, sq2, sc)
+        if not self.sparse_topk:
+            return dense
+        return dense + self.c5 * sum(selected_pairs(q, c, self.sparse_topk) for q, c in chunks)
 
     def prefill_step_time_totals(self, sum_q, sum_qc, sum_q2, sum_c=0) -> float:
-        """Fast path: the prefill step time from the sums over its chunks."""
+        """Fast path: the prefill step time from the sums over its chunks (dense attention only)."""
+        self._no_totals("prefill_step_time")
+        return self._prefill_totals(sum_q, sum_qc, sum_q2, sum_c)
+
+    def _prefill_totals(self, sum_q, sum_qc, sum_q2, sum_c) -> float:
         return self.c0 + self.c1 * sum_q + self.c2 * sum_qc + self.c3 * sum_q2 + self.c4 * sum_c
+
+    def _no_totals(self, method: str) -> None:
+        if self.sparse_topk:
+            raise ValueError(f"a sparse-attention cost (sparse_topk={self.sparse_topk}) needs each request's "
+                             f"context: call {method}")
+
+    def _selected(self, kv_lens) -> float:
+        """d3 x the keys each request's new token selects, min(kv + 1, k) (0 when dense)."""
+        if not self.sparse_topk:
+            return 0.0
+        return self.d3 * sum(selected_pairs(1, kv, self.sparse_topk) for kv in kv_lens)
 
     def decode_step_time(self, kv_lens: Sequence[int]) -> float:
         if not len(kv_lens):
             return 0.0
-        return self.decode_step_time_totals(len(kv_lens), sum(kv_lens))
+        t = self.d0 + self.d1 * len(kv_lens) + self.d2 * sum(kv_lens)
+        return t + self._selected(kv_lens) if self.sparse_topk else t
 
     def decode_step_time_totals(self, n: int, sum_kv: float) -> float:
-        """Fast path: decode step time of ``n`` requests holding ``sum_kv`` tokens in all."""
+        """Fast path: decode step time of ``n`` requests holding ``sum_kv`` tokens in all
+        (dense attention only)."""
+        self._no_totals("decode_step_time")
         return self.d0 + self.d1 * n + self.d2 * sum_kv
 
     def decode_attention_time(self, kv_lens: Sequence[int]) -> float:
         """Attention side of a decode step (all layers): attention weights, per-token
-        attention-side FLOPs and the KV read."""
+        attention-side FLOPs and the KV read (and the indexer, with sparse attention)."""
         if not len(kv_lens):
             return 0.0
-        return self.a0 + self.a1 * len(kv_lens) + self.d2 * sum(kv_lens)
+        t = self.a0 + self.a1 * len(kv_lens) + self.d2 * sum(kv_lens)
+        return t + self._selected(kv_lens) if self.sparse_topk else t
 
     def decode_attention_time_totals(self, n: int, sum_kv: float) -> float:
+        self._no_totals("decode_attention_time")
         return self.a0 + self.a1 * n + self.d2 * sum_kv if n else 0.0
 
     def decode_ffn_time(self, num_tokens: int) -> float:
@@ -197,7 +243,7 @@ class LinearStepCost:
     @classmethod
     def from_roofline(cls, cfg, hw, dtype: str = "bf16", dtype_bytes: Optional[float] = None,
                       kv_dtype_bytes: Optional[float] = None, ep_size: int = 1,
-                      mfu: float = 1.0, mbu: float = 1.0) -> "LinearStepCost":
+                      mfu: float = 1.0, mbu: float = 1.0, kv_layout: str = "uniform") -> "LinearStepCost":
         """Coefficients from a roofline of ``cfg`` on ``ep_size`` accelerators ``hw``.
 
         With R = ep_size * peak(dtype) * mfu, BW = ep_size * hbm_bw * mbu, p = weight
@@ -219,59 +265,20 @@ class LinearStepCost:
         ``mbu`` (default 1: pure roofline) scale peak compute and bandwidth. A hardware
         spec without a needed figure raises ValueError (from ``HardwareSpec.require``).
         ``kv_capacity`` = (ep_size * HBM - all weights) / KV bytes per token;
-        ``kv_capacity_attention`` the same with the attention-side weights only.
+        ``kv_capacity_attention`` the same with the attention-side weights only. KV bytes
+        are ``kv_dtype_bytes`` per cached value (``kv_layout="uniform"``, the indexer key
+        included with sparse attention) or DeepSeek's FP8 row (``"deepseek-fp8"``,
+        :func:`pdjax.analysis.kv.kv_row_bytes`).
+
+        With sparse attention (DeepSeek-V3.2) the attention is MLA's MQA mode over the
+        selected keys and the indexer scores every pair
+        (:mod:`pdjax.analysis.sparse_attention`): c2 = the indexer's FLOPs per pair / R,
+        c3 = c2 / 2, c5 = the sparse attention's FLOPs per selected pair / R; d2 =
+        max((indexer key + logit bytes) / BW, c2) per cached token, d3 = max(MLA row bytes /
+        BW, c5) per selected one (all layers). The masked dense form DeepSeek runs for short
+        prompts is not in this roofline (it is in :func:`pdjax.analysis.predict`).
         """
-        hw = hardware(hw)
-        dtype = normalise_dtype(dtype)
-        p = dtype_bytes if dtype_bytes is not None else (1 if dtype == "fp8" else 2)
-        kvp = kv_dtype_bytes if kv_dtype_bytes is not None else p
-        _check_roofline_scales(ep_size, mfu, mbu)
-        peak = ep_size * hw.peak_flops(dtype) * mfu
-        bw = ep_size * hw.require("hbm_bw", "the linear step-cost model") * mbu
-        counts = param_counts(cfg)
-        ffn_total = counts.routed_experts + counts.shared_experts + counts.dense_mlp
-        ffn_active = counts.routed_active + counts.shared_experts + counts.dense_mlp
-        attn_resident = counts.total - ffn_total             # incl. embedding and head
-        attn_read = attn_resident - (0 if cfg.tie_word_embeddings else counts.embedding)
-        attn_active = counts.active - ffn_active
-        kv_b = kv_bytes_per_token(cfg, dtype_bytes=kvp, attention="mla")
-        pair_flops = attention_flops_per_token(cfg, 1) * cfg.num_hidden_layers
-        c2 = pair_flops / peak
-        capacity, capacity_attn = _kv_capacities(hw, ep_size, counts.total * p, attn_resident * p, kv_b)
-        return cls(
-            c0=(attn_read + ffn_total) * p / bw, c1=2 * counts.active / peak, c2=c2, c3=c2 / 2,
-            c4=kv_b / bw, a0=attn_read * p / bw, a1=2 * attn_active / peak,
-            f0=ffn_total * p / bw, f1=2 * ffn_active / peak, d2=max(kv_b / bw, c2),
-            kv_bytes=int(kv_b), num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
-            act_bytes=int(p), experts_per_token=max(1, cfg.num_experts_per_tok),
-            kv_capacity=capacity, kv_capacity_attention=capacity_attn, cfg=cfg,
-            note=f"roofline of {cfg.model_type} on {ep_size} x {hw.name} {dtype}, "
-                 f"mfu={mfu:g}, mbu={mbu:g}")
-
-
-def _check_roofline_scales(ep_size, mfu, mbu) -> None:
-    """The scale arguments of :meth:`LinearStepCost.from_roofline`: ``ep_size`` a positive
-    integer, ``mfu`` and ``mbu`` in (0, 1]; ValueError naming the first that is not."""
-    check_int("ep_size", ep_size)
-    for name, v in (("mfu", mfu), ("mbu", mbu)):
-        if not (0 < v <= 1):
-            raise ValueError(f"{name} must lie in (0, 1], got {v!r}")
-
-
-def _kv_capacities(hw, ep_size: int, weight_bytes: float, attn_weight_bytes: float,
-                   kv_b: float) -> tuple[Optional[float], Optional[float]]:
-    """KV tokens that ``ep_size`` accelerators ``hw`` hold after all the weights
-    (``weight_bytes``) and after the attention-side weights only (``attn_weight_bytes``),
-    at ``kv_b`` bytes per token; each None when the weights do not fit or the hardware
-    publishes no HBM size."""
-    capacity = capacity_attn = None
-    if hw.hbm_bytes is not None:
-        hbm = ep_size * hw.hbm_bytes
-        if hbm > weight_bytes:
-            capacity = free_memory_bytes(hbm, weight_bytes) / kv_b
-        if hbm > attn_weight_bytes:
-            capacity_attn = free_memory_bytes(hbm, attn_weight_bytes) / kv_b
-    return capacity, capacity_attn
+        return cls(**roofline_fields(cfg, hw, dtype, dtype_bytes, kv_dtype_bytes, ep_size, mfu, mbu, kv_layout))
 
 
 @dataclasses.dataclass(frozen=True)

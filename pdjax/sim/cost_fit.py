@@ -11,6 +11,12 @@ decode coefficients (d0 + d1 n + d2 sum kv) over several batch sizes and KV leng
 into the attention side (a0, a1) and the FFN side (f0, f1) by the median share of attention
 kernels in the attention + GEMM time of the samples (a coarse split: AF experiments that
 need it exact should time the two sides themselves). The fit's largest relative error is in the cost's ``note``.
+
+With DeepSeek-V3.2's sparse attention the fit has one more column each, the keys the
+attention selects (c5: sum of selected(q, c) over the prompts; d3: min(kv + 1, k) per request,
+:mod:`pdjax.analysis.sparse_attention`), so that the attention stays flat beyond index_topk
+while the indexer (c2, c3, d2) grows with the context; the KV bytes are the layout DeepSeek's
+kernels read (:func:`pdjax.analysis.kv.serving_kv_bytes_per_token`).
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ import numpy as np
 
 from pdjax.analysis import memory_fit
 from pdjax.analysis.deploy import Deployment, predict
-from pdjax.analysis.kv import kv_bytes_per_token
+from pdjax.analysis.kv import serving_kv_bytes_per_token
+from pdjax.analysis.sparse_attention import selected_pairs
 from pdjax.sim.cost import LinearStepCost
 
 PREFILL_PROMPTS = (1024, 2048, 4096, 8192)
@@ -45,7 +52,7 @@ def _nnls(rows: list, times: list) -> tuple[np.ndarray, float]:
 
 
 def _prefill_samples(d: Deployment) -> tuple[list, list]:
-    G, rows, times = d.gpus, [], []
+    G, rows, times, k = d.gpus, [], [], d.model.index_topk
     for L in PREFILL_PROMPTS:
         for c in PREFILL_CACHED:
             for per_gpu in PREFILL_TOKENS_PER_GPU:
@@ -53,20 +60,22 @@ def _prefill_samples(d: Deployment) -> tuple[list, list]:
                 p = predict(dataclasses.replace(d, input_len=q + c, cache_hit_rate=c / (q + c),
                                                 batch_per_gpu=per_gpu * (q + c) // q))
                 prompts = per_gpu * G / q
-                rows.append([1.0, prompts * q, prompts * q * c, prompts * q * q, prompts * c])
+                rows.append([1.0, prompts * q, prompts * q * c, prompts * q * q, prompts * c]
+                            + ([prompts * selected_pairs(q, c, k)] if k else []))
                 times.append(p.step_time_s)
     return rows, times
 
 
 def _decode_samples(d: Deployment) -> tuple[list, list, float]:
-    G, rows, times, shares = d.gpus, [], [], []
+    G, rows, times, shares, k = d.gpus, [], [], [], d.model.index_topk
     for n in DECODE_BATCHES:
         for kv in DECODE_KV:
             p = predict(dataclasses.replace(d, batch_per_gpu=n, input_len=kv, output_len=1, mtp=None))
-            rows.append([1.0, n * G, n * G * kv])
+            rows.append([1.0, n * G, n * G * kv] + ([n * G * selected_pairs(1, kv, k)] if k else []))
             times.append(p.step_time_s)
             b = p.breakdown
-            shares.append(b["attention"] / max(1e-30, b["attention"] + b["gemm"]))
+            attn = b["attention"] + b["indexer"]
+            shares.append(attn / max(1e-30, attn + b["gemm"]))
     return rows, times, float(np.median(shares))
 
 
@@ -79,10 +88,11 @@ def linear_cost_from_deployments(prefill: Deployment, decode: Deployment) -> Lin
     if prefill.model != decode.model:
         raise ValueError("the prefill and decode deployments run different models")
     cfg = prefill.model
-    (c0, c1, c2, c3, c4), err_p = _nnls(*_prefill_samples(prefill))
+    (c0, c1, c2, c3, c4, *c5), err_p = _nnls(*_prefill_samples(prefill))
     rows, times, attn_share = _decode_samples(decode)
-    (d0, d1, d2), err_d = _nnls(rows, times)
-    kv_b = kv_bytes_per_token(cfg, 2)
+    (d0, d1, d2, *d3), err_d = _nnls(rows, times)
+    sparse = dict(sparse_topk=cfg.index_topk, c5=float(c5[0]), d3=float(d3[0])) if cfg.sparse_attention else {}
+    kv_b = serving_kv_bytes_per_token(cfg)
     hbm = decode.hardware.require("hbm_bytes", "the KV capacity")
     free = (hbm * (1 - memory_fit.ACTIVATION_RESERVE) - memory_fit.weight_bytes_per_gpu(decode)) * decode.gpus
     c0, c1, c2, c3, c4, d0, d1, d2 = map(float, (c0, c1, c2, c3, c4, d0, d1, d2))
@@ -93,4 +103,4 @@ def linear_cost_from_deployments(prefill: Deployment, decode: Deployment) -> Lin
         experts_per_token=max(1, cfg.num_experts_per_tok), kv_capacity=max(0.0, free / kv_b) or None, cfg=cfg,
         note=(f"fit of pdjax.analysis.predict: prefill {prefill.gpus} x {prefill.hardware.name} EP{prefill.ep}, "
               f"decode {decode.gpus} x {decode.hardware.name} EP{decode.ep}; largest fit error prefill "
-              f"{err_p:.1%}, decode {err_d:.1%}"))
+              f"{err_p:.1%}, decode {err_d:.1%}"), **sparse)

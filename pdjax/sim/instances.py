@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
+from pdjax.sim.cost import has_totals
 from pdjax.sim.policies import chunk_for_budget, pick_by_quota
 
 
@@ -252,7 +253,7 @@ class DecodeInstance(Instance):
         super().__init__(sim, iid, t)
         self.state = DecodeState(ranks, capacity, max_batch)
         self.afd = afd
-        self._fast = hasattr(sim.cost, "decode_step_time_totals")
+        self._fast = has_totals(sim.cost, "decode_step_time_totals")
         self.t_step = 0.0
         self.t_end = -1.0               # when the last step ended
         self.unseen: list = []          # arrivals the decode loop sees when this step ends

@@ -156,7 +156,7 @@ def test_a_cast_on_the_comm_stream_is_other_and_the_stream_stays_comm():
          .kernel(DEEPGEMM, T0, 120, stream=7).kernel(CAST, T0 + 130, 10, stream=7))
     prof = read_profile(t.trace())
     assert [s.op_class for s in prof.spans if s.stream == "27"] == ["other", "dispatch"]
-    assert prof.op_times() == pytest.approx({"gemm": 120 * US, "attention": 0, "dispatch": 100 * US,
+    assert prof.op_times() == pytest.approx({"gemm": 120 * US, "attention": 0, "indexer": 0, "dispatch": 100 * US,
                                              "combine": 0, "other": 50 * US})
     assert prof.comm_streams == ("27",) and prof.compute_streams == ("7",)
 

@@ -49,7 +49,7 @@ def test_bad_programs_are_refused():
 def test_span_helpers():
     spans = [Span("compute", "gemm", 0, 2), Span("comm", "dispatch", 1, 4), Span("compute", "other", 5, 6)]
     assert makespan(spans) == 6 and busy_time(spans) == 5
-    assert class_times(spans) == {"gemm": 2, "attention": 0, "dispatch": 3, "combine": 0, "other": 1}
+    assert class_times(spans) == {"gemm": 2, "attention": 0, "indexer": 0, "dispatch": 3, "combine": 0, "other": 1}
 
 
 def test_two_batch_overlap_hides_the_all_to_all():
