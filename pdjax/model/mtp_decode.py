@@ -24,6 +24,11 @@ decode steps emitted per row-step: 1 + accept_rate before the last step's oversh
 ``steps`` (decode iterations), ``drafts``, and ``near_ties``: emitted tokens whose model
 logits had their top two within :data:`NEAR_TIE` (a two-token verify and a one-token step are
 different programs: at such a near tie their greedy choices may differ by rounding alone).
+
+Cost (docs/model.md, "MTP decoding benchmark"): the near-tie test compares the greedy
+token's logit with the largest other one (``lax.top_k`` sorted every row on XLA:CPU: a
+fifth of a step at batch 1, a third at batch 32), and the output is written by selects, not
+scatters.
 """
 
 from __future__ import annotations
@@ -67,10 +72,14 @@ def _greedy(logits):
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
-def _near_tie(logits):
-    """Whether the top two logits are within :data:`NEAR_TIE` (per row/position)."""
-    top2 = jax.lax.top_k(logits, 2)[0]
-    return (top2[..., 0] - top2[..., 1]) < NEAR_TIE
+def _near_tie(logits, greedy):
+    """Whether the top two logits are within :data:`NEAR_TIE` (per row/position), ``greedy``
+    their argmax: its logit against the largest of the others (``lax.top_k(logits, 2)``'s
+    two values, a tie counted twice, without the sort XLA:CPU runs it as)."""
+    top = jnp.take_along_axis(logits, greedy[..., None], axis=-1)[..., 0]
+    vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    second = jnp.max(jnp.where(vocab == greedy[..., None], -jnp.inf, logits), axis=-1)
+    return (top - second) < NEAR_TIE
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_len", "moe_impl"))
@@ -86,7 +95,15 @@ def _prefill(params, cfg, tokens_BT, lengths_B, max_len, moe_impl=None):
     nxt = jnp.where(jnp.arange(T)[None, :] == last[:, None], first[:, None], nxt).astype(jnp.int32)
     g1, mtp_cache = _mtp_fresh(params, cfg, g, nxt, lengths_B, max_len, moe_impl)
     draft = _greedy(tfm.logits_of(params, _at(g1, last)))
-    return first, draft, cache, mtp_cache, jnp.sum(_near_tie(first_logits))
+    return first, draft, cache, mtp_cache, jnp.sum(_near_tie(first_logits, first))
+
+
+def _emit(out, n, a_B2, active, accepted):
+    """``out`` with a[:, 0] at column n of each active row and a[:, 1] at n + 1 of each row
+    whose draft was accepted (two selects: XLA:CPU runs a scatter as a loop)."""
+    col = jnp.arange(out.shape[1], dtype=jnp.int32)[None, :] - n[:, None]
+    out = jnp.where((col == 0) & active[:, None], a_B2[:, :1], out)
+    return jnp.where((col == 1) & accepted[:, None], a_B2[:, 1:], out)
 
 
 def _step(params, cfg, moe_impl, state):
@@ -108,13 +125,9 @@ def _step(params, cfg, moe_impl, state):
                              mtp_cache.kv[0], mtp_cache.lengths, True, moe_impl, valid)
     mtp_cache = KVCache(kv=(kv,), lengths=mtp_cache.lengths + keep)
     draft = _greedy(tfm.logits_of(params, _at(g1, accepted.astype(jnp.int32))))
-    rows = jnp.arange(out.shape[0])
-    cap = out.shape[1] - 1
-    out = out.at[rows, jnp.minimum(n, cap)].set(jnp.where(active, a[:, 0], out[rows, jnp.minimum(n, cap)]))
-    out = out.at[rows, jnp.minimum(n + 1, cap)].set(
-        jnp.where(accepted, a[:, 1], out[rows, jnp.minimum(n + 1, cap)]))
+    out = _emit(out, n, a, active, accepted)
     last = jnp.where(accepted, a[:, 1], jnp.where(active, a[:, 0], last))
-    ties = _near_tie(logits)
+    ties = _near_tie(logits, a)
     counts = counts + jnp.stack([jnp.sum(active), jnp.sum(accepted), jnp.any(active).astype(jnp.int32),
                                  jnp.sum(ties[:, 0] & active) + jnp.sum(ties[:, 1] & accepted)])
     return last, draft, cache, mtp_cache, out, n + keep, counts, max_new
