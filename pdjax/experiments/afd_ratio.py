@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Optional
 
 from pdjax.analysis import afd_min_microbatches, afd_speedup, hardware, param_counts
 from pdjax.analysis.afd_bounds import attention_share
@@ -140,14 +141,18 @@ def _batch(capacity, context: int, cap: int) -> int:
     return min(b, cap) if cap > 0 else b
 
 
-def cost_models(model_cfg, hw: Hardware) -> tuple:
+def cost_models(model_cfg, hw: Hardware, kv: Optional[dict] = None) -> tuple:
     """(attention, FFN, baseline) cost models of ``hw``'s accelerators (``hw.cost``:
     "roofline" = :class:`pdjax.analysis.costmodel.RooflineCostModel`, each op max(compute,
     memory), the experts a step touches; "linear" = :class:`LinearStepCost`, memory floor plus
     compute, every expert read each micro-batch) and the KV tokens an attention accelerator
-    and a baseline instance hold (from :meth:`LinearStepCost.from_roofline`)."""
+    and a baseline instance hold (from :meth:`LinearStepCost.from_roofline`). ``kv``: the KV
+    row, ``from_roofline``'s ``kv_layout`` and ``kv_dtype_bytes`` (default: the weights'
+    dtype, uniform); the "roofline" cost reads the uniform row only."""
     from pdjax.analysis.costmodel import Efficiency, RooflineCostModel
-    rl = {"dtype": hw.dtype, "mfu": hw.mfu, "mbu": hw.mbu}
+    if kv and hw.cost != "linear":
+        raise ValueError(f"cost: a chosen KV row ({kv}) needs the 'linear' cost, got {hw.cost!r}")
+    rl = {"dtype": hw.dtype, "mfu": hw.mfu, "mbu": hw.mbu, **(kv or {})}
     lin_a = LinearStepCost.from_roofline(model_cfg, hw.attention, **rl)
     lin_b = LinearStepCost.from_roofline(model_cfg, hw.baseline, ep_size=hw.baseline_ep, **rl)
     caps = (lin_a.kv_capacity_attention, lin_b.kv_capacity)
@@ -159,10 +164,10 @@ def cost_models(model_cfg, hw: Hardware) -> tuple:
             RooflineCostModel(model_cfg, hw.baseline, ep_size=hw.baseline_ep, **rf), caps)
 
 
-def sim_rows(model_cfg, hw: Hardware, sweep: Sweep) -> tuple[list[dict], list[str]]:
+def sim_rows(model_cfg, hw: Hardware, sweep: Sweep, kv: Optional[dict] = None) -> tuple[list[dict], list[str]]:
     """One row per (context, M) of the simulated sweep (see the module docstring), and notes
-    on the ratios left out (weights that do not fit)."""
-    c_attn, c_ffn, c_base, (cap_a, cap_b) = cost_models(model_cfg, hw)
+    on the ratios left out (weights that do not fit); ``kv`` as in :func:`cost_models`."""
+    c_attn, c_ffn, c_base, (cap_a, cap_b) = cost_models(model_cfg, hw, kv)
     counts = param_counts(model_cfg)
     ffn_bytes = (counts.routed_experts + counts.shared_experts + counts.dense_mlp) * (1 if hw.dtype == "fp8" else 2)
     N, m, L, ep = sweep.ffn, sweep.microbatches, model_cfg.num_hidden_layers, hw.baseline_ep
@@ -231,11 +236,17 @@ def run(c: Config, out_dir: str) -> Result:
                   figures={"afd_ratio": _plot(sim, mrows, c)}, body=body)
 
 
+def best_ratio(rows: list[dict]) -> dict:
+    """The AF decision among :func:`sim_rows`' rows of one context: the M:N with the largest
+    speedup per accelerator over the colocated baseline (AFD wins where it exceeds 1)."""
+    return max(rows, key=lambda r: r["speedup"])
+
+
 def _headline(sim: list[dict], mrows: list[dict]) -> str:
     parts = []
     for ctx in sorted({r["context"] for r in sim}):
         rs = [r for r in sim if r["context"] == ctx]
-        best = max(rs, key=lambda r: r["speedup"])
+        best = best_ratio(rs)
         wins = [r["label"] for r in rs if r["speedup"] > 1]
         parts.append(f"at {ctx} tokens AFD wins at {', '.join(wins) or 'no ratio'} (best {best['label']}: "
                      f"{100 * (best['speedup'] - 1):+.1f} %)")

@@ -30,6 +30,12 @@ class Config(serving.Serving):
     pd: dict = knob({})
 
 
+def best_split(rows: list[dict]) -> dict:
+    """The P:D decision of a sweep's rows (:func:`pdjax.sim.sweeps.pd_ratio_sweep`): the split
+    with the highest rate meeting the SLO, the fewer prefill instances on a tie."""
+    return max(rows, key=lambda r: (r["max_rate"], -r["P"]))
+
+
 def run(c: Config, out_dir: str) -> Result:
     """Mooncake-style P:D sweep at a fixed instance count: highest rate meeting the SLO."""
     c, cost, hw, ep, link, _, slo, target = serving.setup(c)
@@ -46,7 +52,7 @@ def run(c: Config, out_dir: str) -> Result:
     ax.set_ylabel(f"highest rate at {target:.0%} SLO attainment (req/s)")
     ax.set_title(f"P:D sweep, {total} instances of {ep} x {hw.name}")
     fig.tight_layout()
-    best = max(rows, key=lambda r: (r["max_rate"], -r["P"]))
+    best = best_split(rows)
     headline = (f"best P:D on {total} instances: {best['label']} sustains {best['max_rate']:.2f} req/s "
                 f"at {target:.0%} SLO attainment (range {min(r['max_rate'] for r in rows):.2f}-"
                 f"{best['max_rate']:.2f} over {rows[0]['label']}..{rows[-1]['label']})")

@@ -30,7 +30,7 @@ from pdjax.experiments import progress, results, rundir, schema
 #: ``pdjax/experiments/configs/<kind>.toml``.
 KINDS = ("quickstart", "bubble_sweep", "dbo_sweep", "pd_vs_colocated", "afd_ratio", "executed_bubbles",
          "schedule_search", "sim_pd_vs_colocated", "pd_ratio_sweep", "afd_ratio_sweep", "link_bandwidth",
-         "prefix_cache_capacity", "deployment_validation", "mtp_speculative")
+         "prefix_cache_capacity", "deployment_validation", "mtp_speculative", "dsa_context_sweep")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -192,9 +192,11 @@ class LinearStepCost:
 
     def _selected(self, kv_lens) -> float:
         """d3 x the keys each request's new token selects, min(kv + 1, k) (0 when dense)."""
-        if not self.sparse_topk:
+        k = self.sparse_topk
+        if not k:
             return 0.0
-        return self.d3 * sum(selected_pairs(1, kv, self.sparse_topk) for kv in kv_lens)
+        # selected_pairs(1, kv, k) inlined: the simulator calls this once a decode step over its whole batch
+        return self.d3 * sum(kv + 1 if kv + 1 < k else k for kv in kv_lens)
 
     def decode_step_time(self, kv_lens: Sequence[int]) -> float:
         if not len(kv_lens):

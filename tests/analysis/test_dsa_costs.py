@@ -207,6 +207,18 @@ def test_roofline_step_cost_v32(v32):
     assert fp8.kv_bytes == 48_068 and fp8.d3 >= 656 * L / (32 * 3.35e12)
 
 
+def test_sparse_decode_step_is_its_formula_term_by_term(v32):
+    """The decode step's sparse term (inlined for the simulator's per-step call) is d3 x
+    selected_pairs(1, kv, k) per request, below, at and beyond k."""
+    cost = sim.LinearStepCost.from_roofline(v32, "h800", ep_size=32, dtype="fp8", kv_layout="deepseek-fp8")
+    k = cost.sparse_topk
+    kv = [0, 1, k - 2, k - 1, k, k + 1, 4 * k, 100]
+    want = cost.d0 + cost.d1 * len(kv) + cost.d2 * sum(kv) + cost.d3 * sum(selected_pairs(1, x, k) for x in kv)
+    assert cost.decode_step_time(kv) == pytest.approx(want, rel=1e-12)
+    assert cost.decode_attention_time(kv) - cost.a0 - cost.a1 * len(kv) - cost.d2 * sum(kv) == pytest.approx(
+        cost.d3 * sum(min(x + 1, k) for x in kv), rel=1e-12)
+
+
 def test_roofline_cost_model_v32(v32):
     """RooflineCostModel (the simulator's "roofline" cost): per layer, the attention's FLOPs
     stop growing at k, the indexer's grow by 2 Hi Di a cached token; a decode query reads the
