@@ -186,12 +186,12 @@ SMALL = CFG.replace(vocab_size=8)
 
 
 def test_speculative_sampling_keeps_the_target_distribution():
-    """A vocabulary of 8, temperature 0.8, 400 seeds of one prompt: the engine's first three
+    """A vocabulary of 8, temperature 0.8, 240 seeds of one prompt: the engine's first three
     tokens (the prefill's, then the speculative steps') have the model's distribution. The
     exact joint law of (t1, t2) and of (t2, t3) comes from the model's logits after every
     continuation; chi-square over the 64 cells of each."""
     params = pdjax.init_params(SMALL, jax.random.key(3))
-    prompt, T, n = [1, 5, 2], 0.8, 400
+    prompt, T, n = [1, 5, 2], 0.8, 240
     eng = ColocatedEngine(params, SMALL, devices=jax.devices()[:2], mesh={"expert": 2}, max_context=16,
                           max_decode_slots=16, speculative="mtp")
     out = eng.generate([prompt] * n, 3, sampling=[SamplingParams(temperature=T, seed=s) for s in range(n)])

@@ -45,12 +45,18 @@ def test_the_mtp_params_are_apart_and_leave_the_model_as_it_was(cfg, params):
     assert v3.mtp_layers == 1 and round(v3.total / 1e9) == 671
 
 
+# jitted (the same computations; run eagerly, a MoE model dispatches op by op: seconds each)
+_loss = jax.jit(pdjax.loss, static_argnums=(1,), static_argnames=("mtp_weight",))
+_run_layers = jax.jit(tfm.run_layers, static_argnums=(1,))
+_layer = jax.jit(tfm.layer, static_argnums=(1,))
+
+
 def _mtp_reference(params, cfg, tokens):
     """Depth 1's mean cross-entropy, position by position, from the definitions (one row and
     one position at a time; the model's normed state from pdjax.forward's pieces)."""
     B, T = tokens.shape
     q_pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    x, _ = tfm.run_layers(params, cfg, tfm.embed(params, tokens, cfg), q_pos)
+    x, _ = _run_layers(params, cfg, tfm.embed(params, tokens, cfg), q_pos)
     g = np.asarray(mla.rms_norm(x, params["final_norm"], cfg.rms_norm_eps))
     p = params["mtp"][0]
     emb = np.asarray(params["embed"])[tokens]
@@ -58,7 +64,7 @@ def _mtp_reference(params, cfg, tokens):
     def norm(v, w):
         return v / np.sqrt(np.mean(v * v, -1, keepdims=True) + cfg.rms_norm_eps) * np.asarray(w)
     h = np.concatenate([norm(emb[:, 1:], p["enorm"]), norm(g[:, :-1], p["hnorm"])], -1) @ np.asarray(p["eh_proj"])
-    y, _ = tfm.layer(p["layer"], cfg, jnp.asarray(h), q_pos[:, :T - 1])
+    y, _ = _layer(p["layer"], cfg, jnp.asarray(h), q_pos[:, :T - 1])
     logits = norm(np.asarray(y), p["head_norm"]) @ np.asarray(params["lm_head"])
     logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - \
         logits.max(-1, keepdims=True)
@@ -72,15 +78,15 @@ def test_loss_is_the_model_cross_entropy_plus_lambda_times_the_mtp_one(cfg, para
     logits = np.asarray(pdjax.forward(plain, plain_cfg, tokens), np.float64)
     logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     main = -np.mean([logp[b, i, tokens[b, i + 1]] for b in range(2) for i in range(11)])
-    np.testing.assert_allclose(pdjax.loss(plain, plain_cfg, tokens), main, rtol=1e-5)
-    np.testing.assert_allclose(pdjax.loss(params, cfg, tokens), main, rtol=1e-5)     # mtp_weight=0: no MTP term
+    np.testing.assert_allclose(_loss(plain, plain_cfg, tokens), main, rtol=1e-5)
+    np.testing.assert_allclose(_loss(params, cfg, tokens), main, rtol=1e-5)     # mtp_weight=0: no MTP term
     ref = _mtp_reference(params, cfg, tokens)
-    np.testing.assert_allclose(pdjax.loss(params, cfg, tokens, mtp_weight=0.3), main + 0.3 * ref, rtol=1e-5)
+    np.testing.assert_allclose(_loss(params, cfg, tokens, mtp_weight=0.3), main + 0.3 * ref, rtol=1e-5)
 
 
 def test_the_mtp_weight_reaches_the_mtp_params_through_the_gradient(cfg, params, tokens):
-    g0 = jax.grad(pdjax.loss)(params, cfg, tokens)
-    g1 = jax.grad(lambda p: pdjax.loss(p, cfg, tokens, mtp_weight=0.3))(params)
+    g0 = jax.jit(jax.grad(lambda p: pdjax.loss(p, cfg, tokens)))(params)
+    g1 = jax.jit(jax.grad(lambda p: pdjax.loss(p, cfg, tokens, mtp_weight=0.3)))(params)
     assert all(float(jnp.abs(x).max()) == 0 for x in jax.tree.leaves(g0["mtp"]))
     assert float(jnp.abs(g1["mtp"][0]["eh_proj"]).max()) > 0
     assert float(jnp.abs(g1["embed"] - g0["embed"]).max()) > 0            # the shared embedding learns from it
@@ -151,12 +157,13 @@ def test_mtp_logits_match_the_definition_at_every_depth():
     p = pdjax.init_params(cfg, jax.random.key(3))
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (1, 8), dtype=np.int32)
     q_pos = jnp.arange(8, dtype=jnp.int32)[None]
-    x, _ = tfm.run_layers(p, cfg, tfm.embed(p, tokens, cfg), q_pos)
+    x, _ = _run_layers(p, cfg, tfm.embed(p, tokens, cfg), q_pos)
     g = tfm.final_hidden(p, cfg, x)
-    out = mtp.mtp_logits(p, cfg, g, tokens, tfm.layer)
+    out = jax.jit(mtp.mtp_logits, static_argnums=(1, 4))(p, cfg, g, tokens, tfm.layer)
     assert [o.shape for o in out] == [(1, 7, cfg.vocab_size), (1, 6, cfg.vocab_size)]
-    g1, _ = mtp.depth_block(p["mtp"][0], cfg, p["embed"][tokens[:, 1:]], g[:, :7], q_pos[:, :7], tfm.layer)
-    g2, _ = mtp.depth_block(p["mtp"][1], cfg, p["embed"][tokens[:, 2:]], g1[:, :6], q_pos[:, :6], tfm.layer)
+    block = jax.jit(mtp.depth_block, static_argnums=(1, 5))
+    g1, _ = block(p["mtp"][0], cfg, p["embed"][tokens[:, 1:]], g[:, :7], q_pos[:, :7], tfm.layer)
+    g2, _ = block(p["mtp"][1], cfg, p["embed"][tokens[:, 2:]], g1[:, :6], q_pos[:, :6], tfm.layer)
     np.testing.assert_allclose(out[1], tfm.logits_of(p, g2), rtol=1e-6, atol=1e-6)
     assert p["mtp"][0]["layer"]["moe"]["w_up"].shape != () and "moe" in p["mtp"][1]["layer"]
 
@@ -180,10 +187,10 @@ def test_a_v3_checkpoint_loads_its_mtp_layer_exact_to_the_reference(v3_mtp):
     assert cfg.num_nextn_predict_layers == 1 and len(params["mtp"]) == 1
     tokens = ref["tokens"]
     T = tokens.shape[1]
-    x, _ = tfm.run_layers(params, cfg, tfm.embed(params, tokens, cfg), jnp.broadcast_to(jnp.arange(T), (2, T)))
+    x, _ = _run_layers(params, cfg, tfm.embed(params, tokens, cfg), jnp.broadcast_to(jnp.arange(T), (2, T)))
     g = tfm.final_hidden(params, cfg, x)
     np.testing.assert_allclose(g, ref["main_hidden_normed"], atol=1e-5)
-    logits = mtp.mtp_logits(params, cfg, g, tokens, tfm.layer)
+    logits = jax.jit(mtp.mtp_logits, static_argnums=(1, 4))(params, cfg, g, tokens, tfm.layer)
     np.testing.assert_allclose(logits[0], ref["mtp_logits"], atol=1e-5)
 
 
