@@ -35,7 +35,7 @@ import transformers
 from transformers import AutoModelForCausalLM, DeepseekV32Config, DeepseekV32ForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from make_hf_fixtures import BATCH, OUT, SEQ, STD_LINEAR, V3_CONFIG, randomize_  # noqa: E402
+from make_hf_fixtures import BATCH, OUT, SEQ, V3_CONFIG, randomize_  # noqa: E402
 
 NAME = "deepseek_v32_tiny"
 SEED = 202
