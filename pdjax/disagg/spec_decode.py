@@ -33,20 +33,13 @@ import jax
 import jax.numpy as jnp
 
 from pdjax.disagg.sampling import sample, verify_draft
-from pdjax.model import mtp
-from pdjax.model import transformer as tfm
-
-
-def _at(x_BTD, index_B):
-    """x[b, index[b]] for each row."""
-    return jnp.take_along_axis(x_BTD, index_B[:, None, None], axis=1)[:, 0]
+from pdjax.model.mtp_decode import choose_greedy, verify_and_draft
 
 
 def _choose(logits_S2V, state, sampling: bool):
     """(the token after p [S], the token after p+1 [S], the draft accepted [S])."""
     if not sampling:
-        a = jnp.argmax(logits_S2V, axis=-1).astype(jnp.int32)
-        return a[:, 0], a[:, 1], a[:, 0] == state.draft
+        return choose_greedy(state.draft)(logits_S2V)
     args = (state.temperature, state.top_p, state.seed)
     t0, accepted = verify_draft(logits_S2V[:, 0], state.draft, *args, state.gen)
     t1 = sample(logits_S2V[:, 1], *args, state.gen + 1)
@@ -59,21 +52,12 @@ def spec_step(params, cfg, cache, state, moe_impl, sampling=True):
     token after p, token after p+1, tokens kept (0 for an empty slot, 1 or 2); cache; state).
     ``cache``: the pool's paged cache with the main model's layers and then the MTP layer."""
     L = cfg.num_hidden_layers
-    start = cache.lengths
-    chunk = jnp.stack([state.last_token, state.draft], axis=1)
-    valid = jnp.broadcast_to(state.valid[:, None], chunk.shape)
     main = dataclasses.replace(cache, pools=cache.pools[:L])
-    x, main = tfm.chunk_core(params, cfg, chunk, main, jnp.zeros_like(start), True, moe_impl, valid)
-    g = tfm.final_hidden(params, cfg, x)
-    t0, t1, accepted = _choose(tfm.logits_of(params, g), state, sampling)
-    accepted = accepted & state.valid
-    keep = jnp.where(state.valid, 1 + accepted.astype(jnp.int32), 0)
-    q_pos = start[:, None] + jnp.arange(2, dtype=jnp.int32)[None, :]
-    follow = jnp.stack([t0, t1], axis=1)
-    g1, mtp_layer = mtp.depth_block(params[mtp.MTP][0], cfg, tfm.embed(params, follow, cfg), g, q_pos, tfm.layer,
-                                    cache.layers()[L], start, True, moe_impl, valid)
-    draft = jnp.argmax(tfm.logits_of(params, _at(g1, accepted.astype(jnp.int32))), axis=-1).astype(jnp.int32)
-    cache = dataclasses.replace(cache, pools=main.pools + (mtp_layer.pool,), lengths=start + keep)
+    _, follow, accepted, keep, main, mtp_layer, draft = verify_and_draft(
+        params, cfg, moe_impl, main, cache.layers()[L], state.last_token, state.draft, state.valid,
+        functools.partial(_choose, state=state, sampling=sampling))
+    cache = dataclasses.replace(main, pools=main.pools + (mtp_layer.pool,))
+    t0, t1 = follow[:, 0], follow[:, 1]
     state = dataclasses.replace(
         state, last_token=jnp.where(accepted, t1, jnp.where(state.valid, t0, state.last_token)),
         draft=jnp.where(state.valid, draft, state.draft), gen=state.gen + keep)

@@ -106,25 +106,47 @@ def _emit(out, n, a_B2, active, accepted):
     return jnp.where((col == 1) & accepted[:, None], a_B2[:, 1:], out)
 
 
+def verify_and_draft(params, cfg, moe_impl, cache, mtp_layer, last_B, draft_B, active_B, choose):
+    """One speculative step's core, for any cache (contiguous or paged): [last, draft] through
+    the model as a two-token chunk at positions p, p+1 (absorbed MLA); ``choose(logits
+    [B,2,V]) -> (token after p, token after p+1, draft accepted)``; depth 1 on the same two
+    positions (``mtp_layer``: its cache layer, at the same lengths) and its greedy draft from
+    the last position kept. Returns (logits, the two tokens [B,2], accepted, tokens kept
+    [B] (0 for inactive rows), the cache with its lengths advanced by them, the MTP layer,
+    the next draft)."""
+    start = cache.lengths
+    chunk = jnp.stack([last_B, draft_B], axis=1)                           # positions start, start+1
+    valid = jnp.broadcast_to(active_B[:, None], chunk.shape)               # finished rows: off the experts
+    x, cache = tfm.chunk_core(params, cfg, chunk, cache, jnp.zeros_like(start), True, moe_impl, valid)
+    g = tfm.final_hidden(params, cfg, x)
+    logits = tfm.logits_of(params, g)
+    t0, t1, accepted = choose(logits)
+    accepted = accepted & active_B
+    keep = jnp.where(active_B, 1 + accepted.astype(jnp.int32), 0)
+    follow = jnp.stack([t0, t1], axis=1)
+    q_pos = start[:, None] + jnp.arange(2, dtype=jnp.int32)[None, :]
+    g1, mtp_layer = mtp.depth_block(params[mtp.MTP][0], cfg, tfm.embed(params, follow, cfg), g, q_pos, tfm.layer,
+                                    mtp_layer, start, True, moe_impl, valid)
+    draft = _greedy(tfm.logits_of(params, _at(g1, accepted.astype(jnp.int32))))
+    return logits, follow, accepted, keep, cache.with_layers(cache.layers(), start + keep), mtp_layer, draft
+
+
+def choose_greedy(draft_B):
+    """``verify_and_draft``'s ``choose`` for greedy decoding: the model's argmax at both
+    positions; the draft is accepted when it is the first."""
+    def choose(logits):
+        a = _greedy(logits)
+        return a[:, 0], a[:, 1], a[:, 0] == draft_B
+    return choose
+
+
 def _step(params, cfg, moe_impl, state):
     """One verification step of every row (see the module docstring)."""
     last, draft, cache, mtp_cache, out, n, counts, max_new = state
     active = n < max_new
-    start = cache.lengths
-    chunk = jnp.stack([last, draft], axis=1)                               # positions start, start+1
-    valid = jnp.broadcast_to(active[:, None], chunk.shape)                 # finished rows: off the experts
-    x, cache = tfm.chunk_core(params, cfg, chunk, cache, jnp.zeros_like(start), True, moe_impl, valid)
-    g = tfm.final_hidden(params, cfg, x)
-    logits = tfm.logits_of(params, g)
-    a = _greedy(logits)                                                     # [B,2]
-    accepted = (a[:, 0] == draft) & active
-    keep = jnp.where(active, 1 + accepted.astype(jnp.int32), 0)
-    cache = cache.with_layers(cache.layers(), start + keep)
-    q_pos = start[:, None] + jnp.arange(2, dtype=jnp.int32)[None, :]
-    g1, kv = mtp.depth_block(params[mtp.MTP][0], cfg, tfm.embed(params, a, cfg), g, q_pos, tfm.layer,
-                             mtp_cache.kv[0], mtp_cache.lengths, True, moe_impl, valid)
+    logits, a, accepted, keep, cache, kv, draft = verify_and_draft(
+        params, cfg, moe_impl, cache, mtp_cache.kv[0], last, draft, active, choose_greedy(draft))
     mtp_cache = KVCache(kv=(kv,), lengths=mtp_cache.lengths + keep)
-    draft = _greedy(tfm.logits_of(params, _at(g1, accepted.astype(jnp.int32))))
     out = _emit(out, n, a, active, accepted)
     last = jnp.where(accepted, a[:, 1], jnp.where(active, a[:, 0], last))
     ties = _near_tie(logits, a)
