@@ -26,7 +26,7 @@ cache = "{cache}"
 [decode]
 batches = [1, 2]
 prompt = 8
-new_tokens = 24
+new_tokens = 64
 repeats = 2
 [simulate]
 inner = 2
@@ -58,7 +58,7 @@ def test_the_run_writes_its_tables_and_caches_its_params(tiny_run):
     assert saved["tables"]["speedup"]["wall_clock"] and "simulated" not in json.dumps(saved["metrics"])
     for row in saved["metrics"]["decode"]:                      # tokens per step: 1 + the accept rate
         assert 0 <= row["accept"] <= 1 and row["tok/step"] == pytest.approx(1 + row["accept"])
-        assert 1 <= row["steps"] <= 23                           # 23 tokens after the prefill's first
+        assert 1 <= row["steps"] <= config.decode.new_tokens - 1   # the tokens after the prefill's first
     assert result.metrics["params_from"] == "trained"
     # the params went to the cache: the same settings load them again, other settings do not
     t = config.train
@@ -71,11 +71,11 @@ def test_the_run_writes_its_tables_and_caches_its_params(tiny_run):
 def test_simulated_speedup_is_the_mtp_term_of_the_measured_inputs(tiny_run):
     """(1 + a) t(B, B L) / (t(2B, 2B L) + (t(2B, 2B L) - d0) / layers), recomputed from the
     saved fit, accept rates, cache length and layer count."""
-    out_dir, result, _ = tiny_run
+    out_dir, result, config = tiny_run
     saved = json.load(open(os.path.join(out_dir, "metrics.json")))
     fit, m = saved["wall_clock"]["fit"], saved["metrics"]
     d0, d1, d2, L, layers = fit["d0"], fit["d1"], fit["d2"], m["kv_len"], m["layers"]
-    assert L == 8 + 24 and layers == 1
+    assert L == config.decode.prompt + config.decode.new_tokens and layers == 1
     steps = {int(r["batch"]): r for r in _csv(os.path.join(out_dir, "steps.csv"))}
     rows = _csv(os.path.join(out_dir, "speedup.csv"))
     assert any(float(r["accept"]) > 0 for r in rows)      # else the accept rate would not show below
