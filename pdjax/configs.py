@@ -63,7 +63,8 @@ def deepseek_v3(**overrides) -> ModelConfig:
 def deepseek_v32(**overrides) -> ModelConfig:
     """DeepSeek-V3.2 (-Exp): DeepSeek-V3 with DeepSeek sparse attention: a lightning indexer
     of 64 heads of width 128 in every layer picks the 2,048 cached tokens each query attends
-    to (config.json ``index_n_heads``, ``index_head_dim``, ``index_topk``)."""
+    to (``index_n_heads``, ``index_head_dim``, ``index_topk`` of deepseek-ai/DeepSeek-V3.2-Exp's
+    config.json; transformers' DeepseekV32Config has the same defaults)."""
     cfg = deepseek_v3(index_n_heads=64, index_head_dim=128, index_topk=2048, model_type="deepseek_v32")
     return cfg.replace(**overrides) if overrides else cfg
 
