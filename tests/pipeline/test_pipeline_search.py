@@ -168,7 +168,7 @@ def test_search_never_keeps_an_invalid_candidate(monkeypatch, source, break_it):
     milp_module = importlib.import_module("pdjax.schedules.milp")
     search_module = importlib.import_module("pdjax.schedules.search")   # the package's `search` is the function
 
-    p, m = 3, 6
+    p, m = 3, 4
     bad = break_it(pp.build("zb1p", p, m))
     with pytest.raises(ValueError):
         bad.validate()
