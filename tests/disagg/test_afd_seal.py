@@ -13,12 +13,19 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from pdjax.disagg.afd_ffn import MeshExchange, seal, split_local, unseal
+from pdjax.disagg import afd_ffn
+from pdjax.disagg.afd_ffn import MeshExchange
 from pdjax.parallel.mesh import make_mesh
 
 from afd_faults import flip_in_rank
 
 R, D, K = 16, 6, 2
+
+# jitted as the engines run them (inside their step programs): called eagerly, each shard_map
+# runs op by op, about 300 small compiles a case
+seal = jax.jit(afd_ffn.seal, static_argnums=1)
+unseal = jax.jit(afd_ffn.unseal, static_argnums=1)
+split_local = jax.jit(afd_ffn.split_local, static_argnums=(1, 2))
 
 
 @pytest.fixture(scope="module")
