@@ -8,10 +8,17 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from pdjax.disagg.afd_ffn import MeshExchange, join_local, seal, split_local, unseal
+from pdjax.disagg import afd_ffn
+from pdjax.disagg.afd_ffn import MeshExchange
 from pdjax.parallel.mesh import make_mesh
 
 R, D, K = 12, 6, 2
+
+# jitted as the engines run them (called eagerly, each shard_map runs op by op)
+seal = jax.jit(afd_ffn.seal, static_argnums=1)
+unseal = jax.jit(afd_ffn.unseal, static_argnums=1)
+split_local = jax.jit(afd_ffn.split_local, static_argnums=(1, 2))
+join_local = jax.jit(afd_ffn.join_local, static_argnums=1)
 
 
 def _batch(mesh):
