@@ -48,7 +48,7 @@ from pdjax.analysis.kv import kv_bytes_per_token as _kv_bytes_per_token, kv_hand
 from pdjax.analysis.layer_gemms import attention_gemms, weight_elements
 from pdjax.analysis.sparse_attention import sparse_work
 from pdjax.param_counts import param_counts
-from pdjax.analysis.roofline import attention_flops_per_token
+from pdjax.analysis.roofline import attention_flops_per_pair, attention_flops_per_token, causal_pairs
 from pdjax.arguments import check_fraction, check_int, check_nonnegative, check_positive
 from pdjax.model_config import ModelConfig
 
@@ -284,19 +284,19 @@ class RooflineCostModel:
 
     def _attention(self, reqs, T, decode: bool) -> OpCost:
         cfg, p = self.cfg, self.dtype_bytes
-        H, C, R = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        H, R = cfg.num_attention_heads, cfg.qk_rope_head_dim
         act = 2 * T * cfg.hidden_size * p
         if cfg.sparse_attention:
             return self._sparse_attention(reqs, T, decode, act)
         if decode:
             # absorbed MLA: W_UK folded into q, W_UV after attending over the latent
             pairs = sum(s + 1 for _, s in reqs)
-            core = pairs * 2 * H * (2 * C + R)
+            core = pairs * attention_flops_per_pair(cfg)
             kv = pairs * self._latent_bytes + T * self._latent_bytes   # read cache, write new
             return self._op("attention", cfg.num_hidden_layers, 2 * T * self._attn, core,
                             self._attn * p, kv + act)
         # naive MLA: expand K/V of all c + q tokens, causal within the chunk
-        pairs = sum(q * c + q * (q + 1) // 2 for q, c in reqs)
+        pairs = sum(causal_pairs(q, c) for q, c in reqs)
         expanded = sum(q + c for q, c in reqs)
         per_pair = attention_flops_per_token(cfg, 1) + 2 * H * R     # + the decoupled-RoPE dot
         proj = 2 * T * (self._attn - self._wkv_b) + 2 * expanded * self._wkv_b

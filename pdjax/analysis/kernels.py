@@ -54,6 +54,7 @@ from typing import Sequence
 
 from pdjax.analysis import calibration as C
 from pdjax.analysis.hardware import HardwareLike, hardware
+from pdjax.analysis.roofline import causal_pairs
 from pdjax.analysis.routing import route_stats
 from pdjax.arguments import check_int, check_nonnegative
 
@@ -260,5 +261,5 @@ def causal_attention_flops(cfg, chunks) -> float:
     runs it) over ``chunks`` [(q new tokens, c cached tokens)]: 2 H (d_qk + d_v) per scored
     (query, key) pair, q c + q (q + 1) / 2 pairs a chunk (causal)."""
     d_qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-    pairs = sum(q * c + q * (q + 1) / 2 for q, c in chunks)
+    pairs = sum(causal_pairs(q, c) for q, c in chunks)
     return 2.0 * cfg.num_attention_heads * (d_qk + cfg.v_head_dim) * pairs

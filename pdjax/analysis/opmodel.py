@@ -33,6 +33,7 @@ import dataclasses
 from typing import Optional, Sequence
 
 from pdjax.analysis.kernels import KernelModel, causal_attention_flops
+from pdjax.analysis.roofline import attention_flops_per_pair
 from pdjax.analysis.kv import kv_row_bytes, serving_kv_layout
 from pdjax.analysis.layer_gemms import attention_gemms, dense_mlp_gemms, head_gemms, moe_gemms
 from pdjax.analysis.sparse_attention import sparse_work
@@ -101,7 +102,7 @@ def attention_part(km: KernelModel, cfg: ModelConfig, *, chunks: Optional[Sequen
     MLA form (every latent expanded by kv_b, FlashAttention over them). Decode: ``decode``
     [(q tokens, kv length)] per request, the absorbed form (FlashMLA over the latent cache).
     With sparse attention: :func:`sparse_attention_part`."""
-    H, C, R = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    C, R = cfg.kv_lora_rank, cfg.qk_rope_head_dim
     reqs = chunks if chunks is not None else decode
     if cfg.sparse_attention:
         return sparse_attention_part(km, cfg, reqs, prefill=chunks is not None, weight_dtype=weight_dtype,
@@ -114,7 +115,7 @@ def attention_part(km: KernelModel, cfg: ModelConfig, *, chunks: Optional[Sequen
         core = km.attention_prefill(causal_attention_flops(cfg, chunks))
     else:
         g = gemm_time(km, gemms, {"token": T}, weight_dtype)
-        flops = sum(2.0 * H * (2 * C + R) * q * (kv + q) for q, kv in decode)
+        flops = sum(float(attention_flops_per_pair(cfg)) * q * (kv + q) for q, kv in decode)
         kv_bytes = sum(kv + q for q, kv in decode) * (C + R) * 2
         core = km.attention_decode(flops, kv_bytes)
     return Part(gemm=g, attention=core, other=km.other(T, training) / 2)

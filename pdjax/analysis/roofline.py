@@ -71,6 +71,19 @@ def attention_flops_per_token(cfg: ModelConfig, context_len: int) -> int:
     return 2 * cfg.num_attention_heads * context_len * (cfg.qk_nope_head_dim + cfg.v_head_dim)
 
 
+def causal_pairs(q: int, c: int) -> int:
+    """(query, key) pairs of q new tokens over c cached ones, each seeing itself (causal):
+    q c + q (q + 1) / 2."""
+    return q * c + q * (q + 1) // 2
+
+
+def attention_flops_per_pair(cfg: ModelConfig) -> int:
+    """FLOPs of one (query, key) pair of MLA in its absorbed (MQA) form, dense decode's and
+    DeepSeek sparse attention's: a (C + R)-wide score and a C-wide value per head,
+    2 H (2 C + R) (V3 and V3.2: 278,528)."""
+    return 2 * cfg.num_attention_heads * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+
+
 def attention_intensity(cfg: ModelConfig, attention: str = "mla", dtype_bytes: float = 2,
                         num_kv_groups: Optional[int] = None) -> float:
     """FLOP per KV-cache byte of decode attention (S cancels): MHA 2/p, GQA 2 n_h/(n_g p),

@@ -9,12 +9,13 @@ k = index_topk, the i-th new token of a request (i = 1..q) sees c + i tokens (it
 
 * **the lightning indexer** scores all c + i of them: 2 Hi Di FLOPs a (query, key) pair
   (FP8 logits, then ReLU and the per-head weights), so q c + q (q + 1) / 2 pairs a request,
-  :func:`causal_pairs`: O(T^2) in a prefill of T tokens, linear in the context in decode. It
+  :func:`~pdjax.analysis.roofline.causal_pairs`: O(T^2) in a prefill of T tokens, linear in the context in decode. It
   reads each key (and its scale) once per request and writes an FP32 logit per pair, which
   the top-k reads back (:data:`LOGIT_BYTES` = 4 + 4);
 * **the sparse attention** attends min(c + i, k) of them (:func:`selected_pairs`: O(T k)),
   in MLA's MQA mode (FlashMLA's sparse kernels: the latent shared by all heads, the query
-  absorbed), 2 H (2 C + R) FLOPs a pair, reading the selected rows' MLA part once per query.
+  absorbed), 2 H (2 C + R) FLOPs a pair
+  (:func:`~pdjax.analysis.roofline.attention_flops_per_pair`, as dense absorbed decode), reading the selected rows' MLA part once per query.
 
 The indexer's projections (``index_q``, ``index_k``, ``index_w``) are GEMMs and are counted
 with the layer's others (:mod:`pdjax.analysis.layer_gemms`). Bytes per row come from a layout
@@ -26,7 +27,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+from pdjax.analysis.roofline import attention_flops_per_pair, causal_pairs
 from pdjax.arguments import check_int
+
+__all__ = ["LOGIT_BYTES", "SparseWork", "attention_flops_per_pair", "causal_pairs", "check_sparse",
+           "indexer_flops_per_pair", "selected_pairs", "sparse_work"]
 
 #: Bytes per (query, key) pair the indexer moves besides the keys: its FP32 logit, written by
 #: the logits kernel (as DeepGEMM's benchmark counts it) and read back by the top-k.
@@ -39,23 +44,12 @@ def check_sparse(cfg) -> None:
         raise ValueError(f"{getattr(cfg, 'model_type', cfg)!r} has no sparse attention (index_topk == 0)")
 
 
-def causal_pairs(q: int, c: int) -> int:
-    """(query, key) pairs of q new tokens over c cached ones, each seeing itself: q c + q (q + 1) / 2."""
-    return q * c + q * (q + 1) // 2
-
-
 def selected_pairs(q: int, c: int, k: int) -> int:
     """Keys the sparse attention reads for q new tokens over c cached ones, at most ``k`` a
     query: sum over i = 1..q of min(c + i, k) (exact, closed form)."""
     check_int("k", k)
     full = min(max(k - c, 0), q)             # queries that see at most k tokens: all of them selected
     return full * c + full * (full + 1) // 2 + (q - full) * k
-
-
-def attention_flops_per_pair(cfg) -> int:
-    """FLOPs of one (query, selected key) pair in MLA's MQA mode: a (C + R)-wide score and a
-    C-wide value per head, 2 H (2 C + R) (V3.2: 278,528)."""
-    return 2 * cfg.num_attention_heads * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim)
 
 
 def indexer_flops_per_pair(cfg) -> int:
